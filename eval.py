@@ -1,0 +1,236 @@
+"""Corpus perplexity of any causal LM, as lm-evaluation-harness defines it for `wikitext`.
+
+    python eval.py --model runs/tiny/final --dataset path/to/wikitext-2 --split test     # local wiki.test.raw
+    python eval.py --model runs/tiny/final --dataset data/python-docs --split validation # a prepare_data.py directory
+    python eval.py --model gpt2 --dataset wikitext-2 --max_length 1024 --stride 512      # online, Hub data and model
+    accelerate launch --num_processes 3 eval.py --model runs/1.3b/final                  # documents split over GPUs
+
+Each document is scored on its own: its tokens in windows of --max_length, every token exactly once, the first one
+conditioned on the BOS (or EOS) token; --stride below --max_length gives each window extra, unscored left context.
+Reported: total NLL (nats), token perplexity exp(NLL / tokens), word perplexity exp(NLL / words), byte perplexity
+exp(NLL / bytes) and bits per byte NLL / (bytes ln 2), with words = len(re.split(r"\\s+", doc)) and bytes the UTF-8
+length of the original document text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import lmdata
+from lmdata import DataError
+
+
+@dataclasses.dataclass
+class Config:
+    model: str = dataclasses.field(default="", metadata={"help": "causal LM directory (or Hub id, online) that AutoModelForCausalLM loads"})
+    tokenizer: str = dataclasses.field(default="", metadata={"help": "tokenizer directory or Hub id (default: the model's)"})
+    dataset: str = dataclasses.field(default="wikitext-2", metadata={"help": "wikitext-2 | wikitext-103 (Hub), a prepare_data.py directory, or a local file/directory (wiki.test.raw layout, .txt blocks, .jsonl)"})
+    split: str = dataclasses.field(default="test", metadata={"help": "split to score: test | validation | train"})
+    text_field: str = dataclasses.field(default="text", metadata={"help": "text field of .jsonl/.parquet records"})
+    max_length: int = dataclasses.field(default=0, metadata={"help": "tokens per window (0: the model's context)"})
+    stride: int = dataclasses.field(default=0, metadata={"help": "new tokens scored per window (0: --max_length, no overlap)"})
+    batch_size: int = dataclasses.field(default=8, metadata={"help": "windows per forward pass"})
+    max_documents: int = dataclasses.field(default=0, metadata={"help": "score only the first N documents (0: all)"})
+    dtype: str = dataclasses.field(default="auto", metadata={"help": "float32 | bfloat16 | float16 | auto (bf16 on GPUs that have it, else fp32)"})
+    device: str = dataclasses.field(default="", metadata={"help": "cuda | cpu (default: CUDA when present); under accelerate launch, the process's device"})
+    output_json: str = dataclasses.field(default="", metadata={"help": "write the report here as JSON"})
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Pure helpers
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def nll_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed negative log-likelihood in nats, number of scored targets); targets of -100 are not scored."""
+    nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+    return nll.double(), (targets != -100).sum().double()
+
+
+def rolling_windows(n_tokens: int, max_length: int, stride: int) -> list[tuple[int, int, int]]:
+    """Windows over a sequence s = [prefix] + tokens, where tokens sit at positions 1..n_tokens.
+
+    Returns (input_start, first_scored, end): the model reads s[input_start:end - 1] (at most max_length tokens) and
+    the targets s[first_scored:end] are scored. Each target is scored exactly once; window k scores `stride` new
+    targets and sees up to max_length - stride more tokens of left context (the last window sees a full context).
+    """
+    windows = []
+    for first in range(1, n_tokens + 1, stride):
+        end = min(first + stride, n_tokens + 1)
+        windows.append((max(0, end - 1 - max_length), first, end))
+    return windows
+
+
+def perplexity_report(nll: float, tokens: int, words: int, n_bytes: int, documents: int) -> dict:
+    return {
+        "documents": documents, "tokens": tokens, "words": words, "bytes": n_bytes, "nll": nll,
+        "token_perplexity": math.exp(nll / tokens), "word_perplexity": math.exp(nll / words),
+        "byte_perplexity": math.exp(nll / n_bytes), "bits_per_byte": nll / (n_bytes * math.log(2)),
+    }
+
+
+def word_count(doc: str) -> int:
+    return len(re.split(r"\s+", doc))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Steps
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def load_documents(cfg: Config) -> list[str]:
+    path = Path(cfg.dataset).expanduser()
+    if (path / "meta.json").is_file():  # a prepare_data.py directory keeps its held-out text as .jsonl
+        held = path / f"{cfg.split}.jsonl"
+        if not held.is_file():
+            raise DataError(f"{cfg.dataset} has no {cfg.split}.jsonl (prepare_data.py keeps the text of validation and test splits)")
+        docs, _ = lmdata.jsonl_documents(held, "text")
+    else:
+        by_split, _ = lmdata.load_source(cfg.dataset, cfg.text_field, text_blocks=True)
+        if cfg.split not in by_split:
+            if len(by_split) == 1 and "train" in by_split and path.is_file():
+                by_split = {cfg.split: by_split["train"]}  # a single file is whatever split the user says it is
+            else:
+                raise DataError(f"--dataset {cfg.dataset} has no '{cfg.split}' split (it has {sorted(by_split)}); pick one with --split")
+        docs = [d for d in by_split[cfg.split] if d.strip()] if isinstance(by_split[cfg.split], list) else by_split[cfg.split]["text"]
+    docs = docs[: cfg.max_documents] if cfg.max_documents else docs
+    if not docs:
+        raise DataError(f"--dataset {cfg.dataset} --split {cfg.split} holds no documents; point it at text")
+    return list(docs)
+
+
+def load_model(cfg: Config, device: torch.device):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(cfg.model).expanduser()
+    if path.exists() and not (path / "config.json").is_file():
+        raise DataError(f"--model {cfg.model} is not a model directory (no config.json); pass e.g. OUT/final from train.py")
+    if not path.exists() and lmdata.hub_unreachable_reason():
+        raise DataError(f"--model {cfg.model} is not a local directory and {lmdata.hub_unreachable_reason()}")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.dtype)
+    if cfg.dtype == "auto":
+        dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    if dtype is None:
+        raise DataError(f"--dtype {cfg.dtype} must be one of float32, bfloat16, float16, auto")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model)
+        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype)
+    except (OSError, ValueError) as e:
+        raise DataError(f"--model {cfg.model}: cannot be loaded ({str(e).splitlines()[0]})") from None
+    if len(tokenizer) > model.config.vocab_size:
+        raise DataError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {model.config.vocab_size}; "
+                        f"they do not belong together: pass the model's own tokenizer with --tokenizer")
+    prefix = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    if prefix is None:
+        raise DataError(f"the tokenizer of {cfg.model} has neither a BOS nor an EOS token to condition the first token on")
+    return model.to(device).eval(), tokenizer, prefix
+
+
+def make_windows(docs: list[str], tokenizer, prefix: int, max_length: int, stride: int) -> list[tuple[list[int], list[int]]]:
+    """(input ids, targets with -100 for context-only positions) of every window of every document."""
+    out = []
+    for ids in tokenizer(docs, add_special_tokens=False)["input_ids"]:
+        seq = [prefix] + ids
+        for start, first, end in rolling_windows(len(ids), max_length, stride):
+            inputs = seq[start : end - 1]
+            targets = [-100] * (first - 1 - start) + seq[first:end]
+            out.append((inputs, targets))
+    return out
+
+
+@torch.no_grad()
+def score_windows(model, windows: list, batch_size: int, device: torch.device, pad_id: int, progress: bool = True) -> tuple[float, int]:
+    """Total NLL and scored-token count over windows, batched by length. Padding goes on the right, where a causal
+    model's earlier positions cannot see it, and its targets are -100."""
+    from tqdm.auto import tqdm
+
+    order = sorted(range(len(windows)), key=lambda i: -len(windows[i][0]))
+    total_nll = torch.zeros((), dtype=torch.float64, device=device)
+    total_n = torch.zeros((), dtype=torch.float64, device=device)
+    for b in tqdm(range(0, len(order), batch_size), desc="scoring windows", unit="batch", disable=not progress):
+        batch = [windows[i] for i in order[b : b + batch_size]]
+        width = len(batch[0][0])
+        inputs = torch.tensor([w[0] + [pad_id] * (width - len(w[0])) for w in batch], device=device)
+        targets = torch.tensor([w[1] + [-100] * (width - len(w[1])) for w in batch], device=device)
+        nll, n = nll_sum(model(input_ids=inputs, use_cache=False).logits, targets)
+        total_nll += nll
+        total_n += n
+    return total_nll, total_n
+
+
+def evaluate(cfg: Config) -> dict:
+    from accelerate import PartialState
+
+    state = PartialState()
+    device = torch.device(cfg.device) if cfg.device else state.device
+    docs = load_documents(cfg)
+    model, tokenizer, prefix = load_model(cfg, device)
+    context = model.config.max_position_embeddings
+    max_length = cfg.max_length or context
+    stride = cfg.stride or max_length
+    if max_length > context:
+        raise DataError(f"--max_length {max_length} exceeds the model's context of {context} tokens; lower it")
+    if not 1 <= stride <= max_length:
+        raise DataError(f"--stride {stride} must be between 1 and --max_length {max_length}")
+    if cfg.batch_size < 1:
+        raise DataError(f"--batch_size {cfg.batch_size} must be at least 1")
+
+    t0 = time.perf_counter()
+    with state.split_between_processes(docs) as my_docs:
+        windows = make_windows(my_docs, tokenizer, prefix, max_length, stride)
+        nll, n_tokens = score_windows(model, windows, cfg.batch_size, device, prefix, progress=state.is_main_process)
+    if state.num_processes > 1:
+        totals = torch.stack([nll, n_tokens]).to(state.device)
+        torch.distributed.all_reduce(totals)
+        nll, n_tokens = totals[0], totals[1]
+    seconds = time.perf_counter() - t0
+    report = perplexity_report(float(nll), int(n_tokens), sum(word_count(d) for d in docs),
+                               sum(len(d.encode("utf-8")) for d in docs), len(docs))
+    report.update(model=cfg.model, dataset=cfg.dataset, split=cfg.split, max_length=max_length, stride=stride,
+                  dtype=str(model.dtype).replace("torch.", ""), seconds=seconds, tokens_per_s=report["tokens"] / seconds)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    from accelerate import PartialState
+    from transformers import HfArgumentParser
+
+    (cfg,) = HfArgumentParser(Config, description=__doc__.split("\n\n")[0]).parse_args_into_dataclasses(argv)
+    if not cfg.model:
+        print("error: --model is required: a model directory such as OUT/final from train.py", file=sys.stderr)
+        return 2
+    try:
+        report = evaluate(cfg)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not PartialState().is_main_process:
+        return 0
+    print(f"{cfg.model} on {cfg.dataset} [{cfg.split}], max_length {report['max_length']}, stride {report['stride']}, {report['dtype']}")
+    for key in ("documents", "tokens", "words", "bytes"):
+        print(f"  {key:<17}{report[key]:>14,}")
+    for key in ("nll", "token_perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte"):
+        print(f"  {key:<17}{report[key]:>14.4f}")
+    print(f"  {report['tokens_per_s']:,.0f} tokens/s ({report['seconds']:.1f}s)")
+    if cfg.output_json:
+        path = Path(cfg.output_json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(report, indent=2) + "\n")
+        os.replace(tmp, path)
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,615 @@
+"""Pretrain a DeepSeek-architecture (Llama) causal LM with Accelerate + DeepSpeed ZeRO-3.
+
+    # 3 x RTX 4090, fp16 with dynamic loss scaling (add `--mixed_precision bf16` after the config for bf16)
+    accelerate launch --config_file accelerate_configs/zero3_3gpu.yaml train.py \
+        --data_dir data/wt103-owt --model_config deepseek-1.3b --output_dir runs/1.3b --seq_len 2048
+
+    # laptop / CI: 3 CPU processes, gloo, fp32
+    accelerate launch --config_file accelerate_configs/zero3_cpu.yaml train.py \
+        --data_dir data/python-docs --model_config tiny --output_dir runs/tiny --max_steps 300
+
+Precision and gradient accumulation come from the accelerate config alone; everything else is a flag below.
+Outputs in OUT: metrics.jsonl, checkpoints/step_N/ (+ checkpoints/latest), final/ (a Hugging Face model
+directory) and loss_curve.png. A restart with `--resume auto` continues exactly where the last checkpoint was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import resource
+import shutil
+import signal
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import lmdata
+from lmdata import DataError
+
+MODEL_CONFIG_DIR = Path(__file__).resolve().parent / "model_configs"
+# Dense fp16/bf16 tensor-core peak with fp32 accumulate, FLOP/s, by substring of the CUDA device name.
+GPU_PEAK_FLOPS = {"RTX 4090": 165.2e12, "H100": 989e12, "H200": 989e12, "A100": 312e12, "RTX 3090": 71e12, "L40S": 362e12}
+# DeepSpeed calls collectives that torch renamed; the warning repeats every step and says nothing to a user.
+warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+
+
+@dataclasses.dataclass
+class Config:
+    data_dir: str = dataclasses.field(default="data/python-docs", metadata={"help": "directory written by prepare_data.py"})
+    model_config: str = dataclasses.field(default="tiny", metadata={"help": "preset in model_configs/ (deepseek-7b, deepseek-1.3b, small, tiny, ...), a config.json, or a model directory"})
+    init_from: str = dataclasses.field(default="", metadata={"help": "Hugging Face model directory to start from (its weights); default: random init"})
+    output_dir: str = dataclasses.field(default="runs/tiny", metadata={"help": "metrics, checkpoints, final model and loss curve go here"})
+    seq_len: int = dataclasses.field(default=256, metadata={"help": "tokens per training sequence"})
+    micro_batch_size: int = dataclasses.field(default=8, metadata={"help": "sequences per process per forward/backward"})
+    max_steps: int = dataclasses.field(default=0, metadata={"help": "optimizer steps to train (0: use --num_epochs)"})
+    num_epochs: float = dataclasses.field(default=1.0, metadata={"help": "passes over the training split when --max_steps is 0"})
+    lr: float = dataclasses.field(default=1e-3, metadata={"help": "peak learning rate"})
+    min_lr_ratio: float = dataclasses.field(default=0.1, metadata={"help": "cosine decay floor as a fraction of --lr"})
+    warmup_steps: int = dataclasses.field(default=30, metadata={"help": "linear warmup, in optimizer steps"})
+    weight_decay: float = dataclasses.field(default=0.1, metadata={"help": "AdamW weight decay (2-D weights only)"})
+    adam_beta1: float = dataclasses.field(default=0.9, metadata={"help": "AdamW beta1"})
+    adam_beta2: float = dataclasses.field(default=0.95, metadata={"help": "AdamW beta2"})
+    adam_eps: float = dataclasses.field(default=1e-8, metadata={"help": "AdamW epsilon"})
+    max_grad_norm: float = dataclasses.field(default=1.0, metadata={"help": "clip the global gradient norm to this (0: no clipping)"})
+    seed: int = dataclasses.field(default=0, metadata={"help": "seeds the weights and the data order"})
+    log_every: int = dataclasses.field(default=10, metadata={"help": "optimizer steps between metric lines"})
+    eval_every: int = dataclasses.field(default=100, metadata={"help": "optimizer steps between validation runs (0: only at start and end)"})
+    eval_tokens: int = dataclasses.field(default=1 << 20, metadata={"help": "validation tokens per evaluation (0: the whole split)"})
+    save_every: int = dataclasses.field(default=100, metadata={"help": "optimizer steps between checkpoints (0: only at the end)"})
+    keep_last: int = dataclasses.field(default=2, metadata={"help": "complete checkpoints to keep"})
+    resume: str = dataclasses.field(default="", metadata={"help": "'auto' (newest complete checkpoint in OUT, if any) or a checkpoint directory"})
+    log_with: str = dataclasses.field(default="", metadata={"help": "extra tracker for accelerate, e.g. tensorboard"})
+    gradient_checkpointing: bool = dataclasses.field(default=False, metadata={"help": "recompute activations in backward (less memory, ~30%% more compute)"})
+    attn_implementation: str = dataclasses.field(default="sdpa", metadata={"help": "attention kernel: sdpa or eager"})
+
+
+class StartupError(Exception):
+    """A user mistake found before any work; the message is one line naming the value, the constraint and the fix."""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Pure helpers
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def lr_at(step: int, peak_lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """Learning rate for optimizer step `step` (0-based): linear warmup to the peak, then cosine to the floor."""
+    if step < warmup_steps:
+        return peak_lr * (step + 1) / warmup_steps
+    min_lr = peak_lr * min_lr_ratio
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr + 0.5 * (peak_lr - min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def batch_plan(micro_batch_size: int, grad_accum_steps: int, world_size: int, seq_len: int) -> dict:
+    sequences = micro_batch_size * grad_accum_steps * world_size
+    return {"micro_batch_size": micro_batch_size, "grad_accum_steps": grad_accum_steps, "world_size": world_size,
+            "sequences_per_step": sequences, "tokens_per_step": sequences * seq_len}
+
+
+def total_steps_for(max_steps: int, num_epochs: float, n_windows: int, sequences_per_step: int) -> int:
+    if max_steps > 0:
+        return max_steps
+    return max(1, math.ceil(num_epochs * n_windows / sequences_per_step))
+
+
+def flops_per_token(n_params_non_embedding: int, n_layers: int, hidden_size: int, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward): 6 N + 12 L H T (PaLM appendix B; nanoGPT)."""
+    return 6 * n_params_non_embedding + 12 * n_layers * hidden_size * seq_len
+
+
+def mfu(tokens_per_s: float, flops_per_tok: float, peak_flops: float) -> float:
+    return tokens_per_s * flops_per_tok / peak_flops
+
+
+def round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def sample_ids(step: int, micro_step: int, rank: int, plan: dict) -> range:
+    """Global sample numbers of one micro-batch: an optimizer step takes the next `sequences_per_step` samples, laid out
+    micro-step-major, so the set a step trains on depends only on the global batch, not on how it is split."""
+    start = step * plan["sequences_per_step"] + (micro_step * plan["world_size"] + rank) * plan["micro_batch_size"]
+    return range(start, start + plan["micro_batch_size"])
+
+
+def config_hash(model_config) -> str:
+    d = model_config.to_diff_dict() if hasattr(model_config, "to_diff_dict") else dict(model_config)
+    d = {k: v for k, v in d.items() if k not in ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures")}
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Setup
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def resolve_model_config(name_or_path: str) -> Path:
+    preset = MODEL_CONFIG_DIR / f"{name_or_path}.json"
+    path = Path(name_or_path).expanduser()
+    for candidate in (preset, path, path / "config.json"):
+        if candidate.is_file():
+            return candidate
+    presets = sorted(p.stem for p in MODEL_CONFIG_DIR.glob("*.json"))
+    raise StartupError(f"--model_config {name_or_path!r} is not a preset ({', '.join(presets)}), a config.json or a model directory")
+
+
+def load_model_config(cfg: Config, meta: dict):
+    """The model's transformers config, with the vocabulary taken from the data's tokenizer (padded to 64)."""
+    from transformers import AutoConfig
+
+    path = resolve_model_config(cfg.init_from or cfg.model_config)
+    d = json.loads(path.read_text())
+    model_config = AutoConfig.for_model(d.pop("model_type", "llama"), **d)
+    if cfg.init_from:
+        if model_config.vocab_size < meta["vocab_size"]:
+            raise StartupError(f"--init_from {cfg.init_from} has vocab_size {model_config.vocab_size} < the data's {meta['vocab_size']}; "
+                               f"prepare the data with that model's tokenizer")
+    else:
+        model_config.vocab_size = round_up(meta["vocab_size"], 64)
+        model_config.bos_token_id = model_config.eos_token_id = meta["eos_id"]
+        model_config.pad_token_id = None
+    if cfg.seq_len > model_config.max_position_embeddings:
+        raise StartupError(f"--seq_len {cfg.seq_len} exceeds the model's context max_position_embeddings={model_config.max_position_embeddings}; "
+                           f"lower --seq_len or use a config with a longer context")
+    return model_config
+
+
+def validate(cfg: Config, resuming: bool) -> dict:
+    """Check everything a user can get wrong before anything is built or written. Returns the data's meta.json."""
+    for name in ("seq_len", "micro_batch_size", "log_every", "keep_last"):
+        if getattr(cfg, name) < 1:
+            raise StartupError(f"--{name} {getattr(cfg, name)} must be at least 1")
+    for name in ("max_steps", "warmup_steps", "eval_every", "save_every", "eval_tokens"):
+        if getattr(cfg, name) < 0:
+            raise StartupError(f"--{name} {getattr(cfg, name)} must not be negative")
+    if cfg.max_steps == 0 and cfg.num_epochs <= 0:
+        raise StartupError(f"--num_epochs {cfg.num_epochs} must be positive when --max_steps is 0")
+    if not cfg.lr > 0 or not 0 <= cfg.min_lr_ratio <= 1:
+        raise StartupError(f"--lr {cfg.lr} must be positive and --min_lr_ratio {cfg.min_lr_ratio} within [0, 1]")
+    if cfg.attn_implementation not in ("sdpa", "eager"):
+        raise StartupError(f"--attn_implementation {cfg.attn_implementation!r} must be sdpa or eager")
+    if cfg.init_from and not (Path(cfg.init_from) / "config.json").is_file():
+        raise StartupError(f"--init_from {cfg.init_from} is not a Hugging Face model directory (no config.json)")
+    data_dir = Path(cfg.data_dir)
+    if not data_dir.is_dir():
+        raise StartupError(f"--data_dir {cfg.data_dir} does not exist; create it with prepare_data.py")
+    try:
+        meta = lmdata.read_meta(data_dir)
+        for split in ("train", "validation"):
+            tokens = lmdata.load_split(data_dir, split, meta)
+            if lmdata.num_windows(len(tokens), cfg.seq_len) < 1:
+                raise StartupError(f"the {split} split of {cfg.data_dir} has {len(tokens)} tokens, fewer than --seq_len {cfg.seq_len} + 1; "
+                                   f"lower --seq_len or add data")
+    except DataError as e:
+        raise StartupError(str(e)) from None
+    if not (data_dir / "tokenizer").is_dir():
+        raise StartupError(f"{cfg.data_dir} has no tokenizer/ directory; rebuild it with prepare_data.py --overwrite")
+    out = Path(cfg.output_dir)
+    if out.exists() and any(out.iterdir()) and not resuming:
+        raise StartupError(f"--output_dir {cfg.output_dir} is not empty; pass --resume auto to continue that run or choose an empty directory")
+    probe = out if out.exists() else next(p for p in out.absolute().parents if p.exists())
+    if not os.access(probe, os.W_OK):
+        raise StartupError(f"--output_dir {cfg.output_dir}: {probe} is not writable; choose a directory you can write to")
+    if cfg.resume not in ("", "auto") and not (Path(cfg.resume) / "trainer_state.json").is_file():
+        raise StartupError(f"--resume {cfg.resume} is not a complete checkpoint (no trainer_state.json); use --resume auto or a checkpoints/step_N directory")
+    return meta
+
+
+def grad_accum_steps(accelerator) -> int:
+    """Gradient accumulation as the accelerate config sets it (a DeepSpeed JSON may hold it instead of the YAML)."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None:
+        value = plugin.deepspeed_config.get("gradient_accumulation_steps", "auto")
+        if value != "auto":
+            accelerator.gradient_accumulation_steps = int(value)
+    return accelerator.gradient_accumulation_steps
+
+
+def make_optimizer(model, cfg: Config, offload_optimizer: bool):
+    """AdamW with weight decay on 2-D weights only (matrices and embeddings, not norms)."""
+    # Under zero.Init parameters are flat shards; ds_shape is the real shape.
+    decay = [p for p in model.parameters() if len(getattr(p, "ds_shape", p.shape)) >= 2]
+    no_decay = [p for p in model.parameters() if len(getattr(p, "ds_shape", p.shape)) < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    betas = (cfg.adam_beta1, cfg.adam_beta2)
+    if offload_optimizer:  # ZeRO-Offload refuses torch optimizers: its CPU Adam is the one that is fast on the host
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=cfg.lr, betas=betas, eps=cfg.adam_eps, adamw_mode=True)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.adam_eps)
+
+
+def count_params(model) -> tuple[int, int]:
+    """(all parameters, non-embedding parameters), real sizes even when ZeRO-3 has partitioned them."""
+    numel = {name: getattr(p, "ds_numel", p.numel()) for name, p in model.named_parameters()}
+    embed = model.get_input_embeddings().weight
+    embed_numel = getattr(embed, "ds_numel", embed.numel())
+    return sum(numel.values()), sum(numel.values()) - embed_numel
+
+
+def measure_peak_flops(accelerator, dtype: torch.dtype) -> tuple[float, str]:
+    """Peak FLOP/s the MFU is measured against: the datasheet for known GPUs, else a large matmul timed now on every
+    process at once (on a CPU the processes share cores, so the sum is what the machine gives them together)."""
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        for key, flops in GPU_PEAK_FLOPS.items():
+            if key in name:
+                return flops * accelerator.num_processes, f"{name} datasheet"
+    n = 1024 if accelerator.device.type == "cpu" else 8192
+    a = torch.randn(n, n, device=accelerator.device, dtype=dtype)
+    b = torch.randn(n, n, device=accelerator.device, dtype=dtype)
+    a @ b
+    accelerator.wait_for_everyone()
+    reps = 5
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    if accelerator.device.type == "cuda":
+        torch.cuda.synchronize()
+    local = torch.tensor([2 * n**3 * reps / (time.perf_counter() - t0)], device=accelerator.device)
+    return float(accelerator.reduce(local, "sum")), f"{n}x{n} {str(dtype).replace('torch.', '')} matmul timed on all processes"
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Data, loss and validation
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def get_batch(tokens: np.ndarray, ids: range, seq_len: int, seed: int, n_windows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = np.stack([lmdata.window(tokens, lmdata.sample_window(seed, i, n_windows)[1], seq_len) for i in ids])
+    batch = torch.from_numpy(rows)
+    return batch[:, :-1], batch[:, 1:]
+
+
+def lm_loss(model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=inputs, use_cache=False).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+@torch.no_grad()
+def validation_loss(model, accelerator, tokens: np.ndarray, seq_len: int, micro_batch_size: int) -> float:
+    """Mean next-token loss over non-overlapping windows of the validation tokens, split over all processes.
+
+    Every process runs the same number of forward passes (ZeRO-3 gathers parameters collectively); a process with
+    fewer windows pads with a repeat whose tokens carry no weight.
+    """
+    from eval import nll_sum
+
+    model.eval()
+    n = lmdata.num_windows(len(tokens), seq_len)
+    mine = list(range(accelerator.process_index, n, accelerator.num_processes))
+    per_rank = -(-n // accelerator.num_processes)
+    total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
+    for start in range(0, per_rank, micro_batch_size):
+        chunk = [mine[i] if i < len(mine) else None for i in range(start, min(start + micro_batch_size, per_rank))]
+        rows = torch.from_numpy(np.stack([lmdata.window(tokens, w if w is not None else 0, seq_len) for w in chunk]))
+        targets = rows[:, 1:].clone()
+        targets[[i for i, w in enumerate(chunk) if w is None]] = -100
+        logits = model(input_ids=rows[:, :-1].to(accelerator.device), use_cache=False).logits
+        total += torch.stack(nll_sum(logits, targets.to(accelerator.device)))
+    total = accelerator.reduce(total, "sum")
+    model.train()
+    return float(total[0] / total[1])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Checkpoints: checkpoints/.tmp-step_N is written by every rank, then renamed to step_N; `latest` moves last.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def complete_checkpoints(ckpt_root: Path) -> list[Path]:
+    found = [p for p in ckpt_root.glob("step_*") if p.is_dir() and (p / "trainer_state.json").is_file()]
+    return sorted(found, key=lambda p: int(p.name.split("_")[1]))
+
+
+def find_resume_checkpoint(cfg: Config, ckpt_root: Path, accelerator) -> Path | None:
+    for partial in sorted(ckpt_root.glob(".tmp-step_*")) + [p for p in ckpt_root.glob("step_*") if not (p / "trainer_state.json").is_file()]:
+        accelerator.print(f"warning: ignoring incomplete checkpoint {partial} (a run died while writing it)")
+    if cfg.resume not in ("", "auto"):
+        return Path(cfg.resume)
+    if cfg.resume == "auto":
+        done = complete_checkpoints(ckpt_root)
+        return done[-1] if done else None
+    return None
+
+
+def check_resume_compatible(state: dict, current: dict, ckpt: Path) -> None:
+    """A checkpoint only continues the same run: ZeRO-3 shards are per rank, and the data order and schedule depend on
+    the global batch, sequence length, data and seed."""
+    for key, value in current.items():
+        if state.get(key) != value:
+            raise StartupError(
+                f"cannot resume {ckpt}: it was made with {key}={state.get(key)!r}, this run has {key}={value!r}; "
+                f"relaunch with the original setting, or start a new --output_dir with --init_from OUT/final "
+                f"(weights only, fresh optimizer and schedule)"
+            )
+
+
+def save_checkpoint(accelerator, ckpt_root: Path, step: int, state: dict, keep_last: int, protect: Path | None) -> Path:
+    final = ckpt_root / f"step_{step}"
+    tmp = ckpt_root / f".tmp-step_{step}"
+    if accelerator.is_local_main_process:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True, exist_ok=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    fault = os.environ.get("TRAIN_TEST_KILL_RANK_IN_SAVE", "")  # fault-injection for the crash tests: "rank:step"
+    if fault == f"{accelerator.process_index}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+    accelerator.wait_for_everyone()
+    # On a shared filesystem the first local main renames and the others find it done; on node-local disks each
+    # node finalises its own copy.
+    if accelerator.is_local_main_process and tmp.exists():
+        state_path = tmp / "trainer_state.json"
+        state_path.write_text(json.dumps(state, indent=2) + "\n")
+        try:
+            os.replace(tmp, final) if not final.exists() else shutil.rmtree(tmp)
+        except FileNotFoundError:
+            pass
+        latest_tmp = ckpt_root / f".latest.{os.getpid()}"
+        latest_tmp.write_text(final.name + "\n")
+        os.replace(latest_tmp, ckpt_root / "latest")
+        for old in complete_checkpoints(ckpt_root)[:-keep_last]:
+            if old != final and (protect is None or old.resolve() != protect.resolve()):
+                shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def export_final(accelerator, model, tokenizer, out_dir: Path) -> Path:
+    """OUT/final: a plain Hugging Face model directory, weights gathered from the ZeRO-3 shards."""
+    state_dict = accelerator.get_state_dict(model)  # collective: every rank takes part
+    final, tmp = out_dir / "final", out_dir / ".tmp-final"
+    if accelerator.is_main_process:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def plot_losses(metrics_path: Path, png_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    if train:
+        ax.plot(*zip(*train), label="train loss", lw=1)
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation loss", ms=4)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(metrics_path.parent.name)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def train(cfg: Config) -> int:
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, InitProcessGroupKwargs, set_seed
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    resuming = cfg.resume != ""
+    # gloo when there is no GPU: without an explicit backend Accelerate and DeepSpeed disagree on the world size.
+    kwargs = [] if torch.cuda.is_available() else [InitProcessGroupKwargs(backend="gloo")]
+    accelerator = Accelerator(log_with=cfg.log_with or None, project_dir=cfg.output_dir, kwargs_handlers=kwargs)
+    try:
+        meta = validate(cfg, resuming)
+        model_config = load_model_config(cfg, meta)
+        accum = grad_accum_steps(accelerator)
+        plan = batch_plan(cfg.micro_batch_size, accum, accelerator.num_processes, cfg.seq_len)
+        train_tokens = lmdata.load_split(cfg.data_dir, "train", meta)
+        val_tokens = lmdata.load_split(cfg.data_dir, "validation", meta)
+        if cfg.eval_tokens:
+            val_tokens = val_tokens[: cfg.eval_tokens + 1]
+        n_windows = lmdata.num_windows(len(train_tokens), cfg.seq_len)
+        total_steps = total_steps_for(cfg.max_steps, cfg.num_epochs, n_windows, plan["sequences_per_step"])
+        out = Path(cfg.output_dir)
+        ckpt_root = out / "checkpoints"
+        resume_from = find_resume_checkpoint(cfg, ckpt_root, accelerator)
+        run_identity = {"world_size": plan["world_size"], "micro_batch_size": cfg.micro_batch_size, "grad_accum_steps": accum,
+                        "seq_len": cfg.seq_len, "seed": cfg.seed, "data_fingerprint": meta["fingerprint"],
+                        "model_config_hash": config_hash(model_config)}
+        resume_state = None
+        if resume_from is not None:
+            resume_state = json.loads((resume_from / "trainer_state.json").read_text())
+            check_resume_compatible(resume_state, run_identity, resume_from)
+    except StartupError as e:
+        accelerator.print(f"error: {e}")
+        return 2
+
+    is_deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+    ds_config = accelerator.state.deepspeed_plugin.deepspeed_config if is_deepspeed else {}
+    precision = "fp16" if ds_config.get("fp16", {}).get("enabled") is True else "bf16" if ds_config.get("bf16", {}).get("enabled") is True else accelerator.mixed_precision
+    precision = {"no": "fp32"}.get(precision, precision)
+    accelerator.print(
+        f"batch plan: {plan['micro_batch_size']} micro x {accum} accumulation x {plan['world_size']} processes = "
+        f"{plan['sequences_per_step']} sequences = {plan['tokens_per_step']:,} tokens per step; {total_steps} steps "
+        f"({total_steps * plan['sequences_per_step'] / n_windows:.2f} epochs of {n_windows:,} windows); "
+        f"{accelerator.distributed_type.value}, {precision}"
+    )
+
+    set_seed(cfg.seed)
+    # The Accelerator exists, so under ZeRO-3 each parameter is partitioned as soon as it is created.
+    model_kwargs = {"attn_implementation": cfg.attn_implementation, "dtype": torch.float32}
+    if cfg.init_from:
+        model = AutoModelForCausalLM.from_pretrained(cfg.init_from, **model_kwargs)
+    else:
+        model = AutoModelForCausalLM.from_config(model_config, **model_kwargs)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    n_params, n_non_embedding = count_params(model)
+    flops_tok = flops_per_token(n_non_embedding, model_config.num_hidden_layers, model_config.hidden_size, cfg.seq_len)
+    offload = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") not in ("none", None)
+    optimizer = make_optimizer(model, cfg, offload)
+    if is_deepspeed:
+        ds_config["train_micro_batch_size_per_gpu"] = cfg.micro_batch_size
+        ds_config["gradient_clipping"] = cfg.max_grad_norm
+    model, optimizer = accelerator.prepare(model, optimizer)
+    tokenizer = AutoTokenizer.from_pretrained(Path(cfg.data_dir) / "tokenizer")
+    peak_flops, peak_source = measure_peak_flops(accelerator, torch.float32 if precision == "fp32" else torch.bfloat16 if precision == "bf16" else torch.float16)
+    accelerator.print(f"model: {n_params / 1e6:.2f}M parameters ({n_non_embedding / 1e6:.2f}M non-embedding), "
+                      f"{flops_tok / 1e6:.1f} MFLOP/token; peak {peak_flops / 1e12:.2f} TFLOP/s ({peak_source})")
+
+    start_step = 0
+    protect = None
+    if resume_state is not None:
+        accelerator.load_state(str(resume_from))
+        start_step = resume_state["step"]
+        protect = resume_from
+        accelerator.print(f"resumed from {resume_from} at step {start_step} ({resume_state['tokens_seen']:,} tokens seen)")
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        metrics_path = out / "metrics.jsonl"
+        # Lines logged after the checkpoint by the run that died would be logged again: drop them.
+        kept = [l for l in metrics_path.read_text().splitlines() if json.loads(l)["step"] <= start_step] if metrics_path.exists() else []
+        metrics_path.write_text("".join(l + "\n" for l in kept))
+        (out / "config.json").write_text(json.dumps({**dataclasses.asdict(cfg), "batch_plan": plan, "total_steps": total_steps, "precision": precision}, indent=2) + "\n")
+    if cfg.log_with:
+        accelerator.init_trackers("train", config={k: v for k, v in dataclasses.asdict(cfg).items() if isinstance(v, (int, float, str, bool))})
+
+    def log(record: dict, console: str | None = None) -> None:
+        if accelerator.is_main_process:
+            with open(out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+            if console:
+                bar.write(console) if bar else print(console, flush=True)
+        if cfg.log_with:
+            accelerator.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    stop_signal = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True, disable=not accelerator.is_main_process)
+    if start_step == 0:
+        val = validation_loss(model, accelerator, val_tokens, cfg.seq_len, cfg.micro_batch_size)
+        log({"step": 0, "tokens": 0, "val_loss": val, "val_ppl": math.exp(val)}, f"step 0 | val loss {val:.4f} | val ppl {math.exp(val):.2f}")
+
+    def state_at(step: int) -> dict:
+        return {**run_identity, "step": step, "tokens_seen": step * plan["tokens_per_step"], "samples_seen": step * plan["sequences_per_step"],
+                "epoch": step * plan["sequences_per_step"] / n_windows, "data_dir": str(Path(cfg.data_dir).resolve()), "total_steps": total_steps}
+
+    engine = model if is_deepspeed else None
+    interval_t0, interval_steps, skipped_at_start = time.perf_counter(), 0, engine.skipped_steps if engine else 0
+    last_saved = start_step if resume_state is not None else None
+    step = start_step
+    while step < total_steps:
+        lr = lr_at(step, cfg.lr, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=accelerator.device)
+        grad_norm = None
+        for micro_step in range(accum):
+            inputs, targets = get_batch(train_tokens, sample_ids(step, micro_step, accelerator.process_index, plan), cfg.seq_len, cfg.seed, n_windows)
+            with accelerator.accumulate(model):
+                loss = lm_loss(model, inputs.to(accelerator.device), targets.to(accelerator.device))
+                try:
+                    accelerator.backward(loss)
+                except Exception as e:  # DeepSpeed's fp16 scaler raises on every rank at once when it cannot go lower
+                    if "loss scale already at minimum" not in str(e):
+                        raise
+                    accelerator.print(f"error: step {step + 1}: the fp16 loss scale is at its minimum and gradients still overflow; "
+                                      f"train in bf16 (--mixed_precision bf16 at launch), lower --lr, or --resume auto from the last checkpoint")
+                    return 3
+                if accelerator.sync_gradients:
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
+                optimizer.step()
+                optimizer.zero_grad()
+            loss_sum += loss.detach()
+        step += 1
+        interval_steps += 1
+        # One collective per step carries the loss and whether any process was asked to stop.
+        reduced = accelerator.reduce(torch.stack([loss_sum / accum, torch.tensor(float(bool(stop_signal)), device=accelerator.device)]), "sum")
+        step_loss, stop_requested = float(reduced[0]) / accelerator.num_processes, bool(reduced[1] > 0)
+        grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+        skipped = (engine.skipped_steps - skipped_at_start) if engine else 0
+        if precision != "fp16" and not (math.isfinite(step_loss) and math.isfinite(grad_norm)):
+            accelerator.print(f"error: step {step}: loss {step_loss} / grad norm {grad_norm} is not finite; stopping without saving. "
+                              f"The last checkpoint is intact: lower --lr, raise --warmup_steps or check the data, then --resume auto")
+            return 3
+        bar.update(1)
+        if step % cfg.log_every == 0 or step == total_steps or stop_requested:
+            elapsed = time.perf_counter() - interval_t0
+            tokens_per_s = interval_steps * plan["tokens_per_step"] / elapsed
+            mem = float(accelerator.gather(torch.tensor([peak_memory_gib(accelerator.device)], device=accelerator.device)).max())
+            record = {"step": step, "tokens": step * plan["tokens_per_step"], "loss": step_loss, "lr": lr, "grad_norm": grad_norm,
+                      "tokens_per_s": tokens_per_s, "mfu": mfu(tokens_per_s, flops_tok, peak_flops), "peak_mem_gib": mem,
+                      "epoch": step * plan["sequences_per_step"] / n_windows, "samples_seen": step * plan["sequences_per_step"]}
+            if precision == "fp16":
+                record.update(loss_scale=float(engine.optimizer.loss_scale), skipped_steps=skipped)
+            bar.set_postfix(loss=f"{step_loss:.3f}", lr=f"{lr:.2e}")
+            log(record, f"step {step}/{total_steps} | loss {step_loss:.4f} | lr {lr:.2e} | grad {grad_norm:.3f} | "
+                        f"{tokens_per_s:,.0f} tok/s | MFU {record['mfu']:.1%} | peak mem {mem:.2f} GiB"
+                        + (f" | scale {record['loss_scale']:.0f} skipped {skipped}" if precision == "fp16" else ""))
+            interval_t0, interval_steps = time.perf_counter(), 0
+        pause_t0 = time.perf_counter()
+        if (cfg.eval_every and step % cfg.eval_every == 0) or step == total_steps:
+            val = validation_loss(model, accelerator, val_tokens, cfg.seq_len, cfg.micro_batch_size)
+            log({"step": step, "tokens": step * plan["tokens_per_step"], "val_loss": val, "val_ppl": math.exp(val)},
+                f"step {step} | val loss {val:.4f} | val ppl {math.exp(val):.2f}")
+        if (cfg.save_every and step % cfg.save_every == 0) or step == total_steps or stop_requested:
+            saved = save_checkpoint(accelerator, ckpt_root, step, state_at(step), cfg.keep_last, protect)
+            last_saved = step
+            accelerator.print(f"saved {saved}")
+        interval_t0 += time.perf_counter() - pause_t0  # throughput counts training time only
+        if stop_requested:
+            bar.close()
+            accelerator.print(f"stopped by signal after step {step}; the same command with --resume auto continues from {ckpt_root / f'step_{step}'}")
+            accelerator.end_training()
+            return 0
+    bar.close()
+    assert last_saved == total_steps
+    final = export_final(accelerator, model, tokenizer, out)
+    if accelerator.is_main_process:
+        plot_losses(out / "metrics.jsonl", out / "loss_curve.png")
+        accelerator.print(f"done: model in {final}, loss curve in {out / 'loss_curve.png'}, metrics in {out / 'metrics.jsonl'}")
+    accelerator.end_training()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from transformers import HfArgumentParser
+
+    (cfg,) = HfArgumentParser(Config, description=__doc__.split("\n\n")[0]).parse_args_into_dataclasses(argv)
+    return train(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
