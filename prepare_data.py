@@ -120,16 +120,20 @@ def load_corpus(cfg: Config) -> tuple[dict, list[dict]]:
         by_split = {name: [d for d in docs if d.strip()] if isinstance(docs, list) else docs for name, docs in by_split.items()}
         if not by_split.get("train"):
             raise DataError(f"--dataset {spec!r} has no training documents (empty corpus); point it at text")
-        if "validation" not in by_split:
-            by_split["train"], by_split["validation"] = lmdata.split_held_out(by_split["train"], cfg.validation_fraction)
         for name, docs in by_split.items():
             if len(docs) == 0:
                 raise DataError(f"--dataset {spec!r}: the {name} split is empty; give it text or remove it")
-            splits.setdefault(name, []).append(docs)
+        if "validation" not in by_split:
+            by_split["train"], by_split["validation"] = lmdata.split_held_out(by_split["train"], cfg.validation_fraction)
+        for name, docs in by_split.items():
+            if len(docs):
+                splits.setdefault(name, []).append(docs)
         record["documents"] = {name: len(docs) for name, docs in by_split.items()}
         if record["replaced_bytes"]:
             print(f"warning: {spec}: {record['replaced_bytes']} undecodable bytes were replaced by U+FFFD", file=sys.stderr)
         records.append(record)
+    if "validation" not in splits:
+        raise DataError(f"no validation documents: each source has a single document; add documents or a source with a validation split")
     return splits, records
 
 

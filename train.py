@@ -55,6 +55,7 @@ class Config:
     lr: float = dataclasses.field(default=1e-3, metadata={"help": "peak learning rate"})
     min_lr_ratio: float = dataclasses.field(default=0.1, metadata={"help": "cosine decay floor as a fraction of --lr"})
     warmup_steps: int = dataclasses.field(default=30, metadata={"help": "linear warmup, in optimizer steps"})
+    lr_decay_steps: int = dataclasses.field(default=0, metadata={"help": "length of warmup + cosine decay in steps (0: the run's total steps); set it to train a long schedule in shorter runs"})
     weight_decay: float = dataclasses.field(default=0.1, metadata={"help": "AdamW weight decay (2-D weights only)"})
     adam_beta1: float = dataclasses.field(default=0.9, metadata={"help": "AdamW beta1"})
     adam_beta2: float = dataclasses.field(default=0.95, metadata={"help": "AdamW beta2"})
@@ -70,6 +71,12 @@ class Config:
     log_with: str = dataclasses.field(default="", metadata={"help": "extra tracker for accelerate, e.g. tensorboard"})
     gradient_checkpointing: bool = dataclasses.field(default=False, metadata={"help": "recompute activations in backward (less memory, ~30%% more compute)"})
     attn_implementation: str = dataclasses.field(default="sdpa", metadata={"help": "attention kernel: sdpa or eager"})
+
+
+def test_fault(kind: str, rank: int, step: int) -> bool:
+    """Fault injection for the crash tests, set with TRAIN_TEST_FAULT=kind:rank:step (sigterm_launcher, nan_loss,
+    sigkill_in_save). Real signals and real NaNs; nothing happens unless the variable names this exact point."""
+    return os.environ.get("TRAIN_TEST_FAULT", "") == f"{kind}:{rank}:{step}"
 
 
 class StartupError(Exception):
@@ -169,7 +176,7 @@ def validate(cfg: Config, resuming: bool) -> dict:
     for name in ("seq_len", "micro_batch_size", "log_every", "keep_last"):
         if getattr(cfg, name) < 1:
             raise StartupError(f"--{name} {getattr(cfg, name)} must be at least 1")
-    for name in ("max_steps", "warmup_steps", "eval_every", "save_every", "eval_tokens"):
+    for name in ("max_steps", "warmup_steps", "lr_decay_steps", "eval_every", "save_every", "eval_tokens"):
         if getattr(cfg, name) < 0:
             raise StartupError(f"--{name} {getattr(cfg, name)} must not be negative")
     if cfg.max_steps == 0 and cfg.num_epochs <= 0:
@@ -198,8 +205,8 @@ def validate(cfg: Config, resuming: bool) -> dict:
     if out.exists() and any(out.iterdir()) and not resuming:
         raise StartupError(f"--output_dir {cfg.output_dir} is not empty; pass --resume auto to continue that run or choose an empty directory")
     probe = out if out.exists() else next(p for p in out.absolute().parents if p.exists())
-    if not os.access(probe, os.W_OK):
-        raise StartupError(f"--output_dir {cfg.output_dir}: {probe} is not writable; choose a directory you can write to")
+    if not probe.is_dir() or not os.access(probe, os.W_OK):
+        raise StartupError(f"--output_dir {cfg.output_dir}: {probe} is not a writable directory; choose a directory you can write to")
     if cfg.resume not in ("", "auto") and not (Path(cfg.resume) / "trainer_state.json").is_file():
         raise StartupError(f"--resume {cfg.resume} is not a complete checkpoint (no trainer_state.json); use --resume auto or a checkpoints/step_N directory")
     return meta
@@ -350,8 +357,7 @@ def save_checkpoint(accelerator, ckpt_root: Path, step: int, state: dict, keep_l
         tmp.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
-    fault = os.environ.get("TRAIN_TEST_KILL_RANK_IN_SAVE", "")  # fault-injection for the crash tests: "rank:step"
-    if fault == f"{accelerator.process_index}:{step}":
+    if test_fault("sigkill_in_save", accelerator.process_index, step):
         os.kill(os.getpid(), signal.SIGKILL)
     accelerator.wait_for_everyone()
     # On a shared filesystem the first local main renames and the others find it done; on node-local disks each
@@ -424,8 +430,10 @@ def train(cfg: Config) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     resuming = cfg.resume != ""
-    # gloo when there is no GPU: without an explicit backend Accelerate and DeepSpeed disagree on the world size.
-    kwargs = [] if torch.cuda.is_available() else [InitProcessGroupKwargs(backend="gloo")]
+    # Launched on CPUs, DeepSpeed needs gloo named explicitly or Accelerate and DeepSpeed disagree on the world size.
+    # A plain `python train.py` has no process group to create; LOCAL_RANK is how Accelerate itself tells.
+    launched = "LOCAL_RANK" in os.environ
+    kwargs = [InitProcessGroupKwargs(backend="gloo")] if launched and not torch.cuda.is_available() else []
     accelerator = Accelerator(log_with=cfg.log_with or None, project_dir=cfg.output_dir, kwargs_handlers=kwargs)
     try:
         meta = validate(cfg, resuming)
@@ -473,6 +481,9 @@ def train(cfg: Config) -> int:
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     n_params, n_non_embedding = count_params(model)
+    local_numel = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
+    held = accelerator.gather(torch.tensor([local_numel / n_params], device=accelerator.device)).tolist()
+    accelerator.print(f"parameters held per process: {' '.join(f'{h:.1%}' for h in held)}")
     flops_tok = flops_per_token(n_non_embedding, model_config.num_hidden_layers, model_config.hidden_size, cfg.seq_len)
     offload = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") not in ("none", None)
     optimizer = make_optimizer(model, cfg, offload)
@@ -531,7 +542,7 @@ def train(cfg: Config) -> int:
     last_saved = start_step if resume_state is not None else None
     step = start_step
     while step < total_steps:
-        lr = lr_at(step, cfg.lr, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
+        lr = lr_at(step, cfg.lr, cfg.warmup_steps, cfg.lr_decay_steps or total_steps, cfg.min_lr_ratio)
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=accelerator.device)
@@ -540,6 +551,8 @@ def train(cfg: Config) -> int:
             inputs, targets = get_batch(train_tokens, sample_ids(step, micro_step, accelerator.process_index, plan), cfg.seq_len, cfg.seed, n_windows)
             with accelerator.accumulate(model):
                 loss = lm_loss(model, inputs.to(accelerator.device), targets.to(accelerator.device))
+                if test_fault("nan_loss", accelerator.process_index, step + 1):
+                    loss = loss * float("nan")
                 try:
                     accelerator.backward(loss)
                 except Exception as e:  # DeepSpeed's fp16 scaler raises on every rank at once when it cannot go lower
@@ -555,6 +568,8 @@ def train(cfg: Config) -> int:
             loss_sum += loss.detach()
         step += 1
         interval_steps += 1
+        if test_fault("sigterm_launcher", accelerator.process_index, step):
+            os.kill(os.getppid(), signal.SIGTERM)
         # One collective per step carries the loss and whether any process was asked to stop.
         reduced = accelerator.reduce(torch.stack([loss_sum / accum, torch.tensor(float(bool(stop_signal)), device=accelerator.device)]), "sum")
         step_loss, stop_requested = float(reduced[0]) / accelerator.num_processes, bool(reduced[1] > 0)

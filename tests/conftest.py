@@ -1,0 +1,72 @@
+"""Shared fixtures: a prepared python-docs directory, and helpers that run the scripts as a user would."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+# Real WikiText-2 text, when the checkout sits next to the project's shared/ folder (or WIKITEXT2_DIR points at it).
+WIKITEXT2 = Path(os.environ.get("WIKITEXT2_DIR", REPO.parent / "shared" / "data" / "wikitext-2"))
+needs_wikitext = pytest.mark.skipif(not (WIKITEXT2 / "wiki.test.raw").is_file(),
+                                    reason=f"WikiText-2 copy not found at {WIKITEXT2} (set WIKITEXT2_DIR)")
+ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
+CPU_CONFIG = "accelerate_configs/zero3_cpu.yaml"
+# A tiny run: 64-wide 2-layer model, 32-token sequences, global batch 6 on 3 processes.
+TINY = ["--model_config", "tiny", "--seq_len", "32", "--log_every", "1", "--eval_every", "0", "--eval_tokens", "2048",
+        "--save_every", "0", "--warmup_steps", "2", "--lr", "3e-3"]
+
+
+def run(args, check=True, env=None, timeout=600, **kw):
+    """Run a command from the repository root, as a user would; returns the CompletedProcess (text)."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    proc = subprocess.run(args, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout, **kw)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(map(str, args))} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_cmd(nproc: int, *train_args, config=CPU_CONFIG, script="train.py"):
+    return [ACCELERATE, "launch", "--config_file", config, "--num_processes", str(nproc),
+            "--main_process_port", str(free_port()), script, *map(str, train_args)]
+
+
+def launch(nproc: int, *train_args, check=True, env=None, config=CPU_CONFIG):
+    """`accelerate launch` of train.py on `nproc` CPU processes (DeepSpeed ZeRO-3, gloo, fp32)."""
+    return run(launch_cmd(nproc, *train_args, config=config), check=check, env=env)
+
+
+def metrics(out_dir) -> list[dict]:
+    return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def train_records(out_dir) -> dict[int, dict]:
+    return {r["step"]: r for r in metrics(out_dir) if "loss" in r}
+
+
+@pytest.fixture(scope="session")
+def docs_data(tmp_path_factory) -> Path:
+    """The built-in python-docs corpus with a 512-token BPE: small, offline, real."""
+    out = tmp_path_factory.mktemp("data") / "python-docs"
+    run([sys.executable, "prepare_data.py", "--dataset", "python-docs", "--tokenizer", "bpe:512", "--output_dir", out,
+         "--validation_fraction", "0.05", "--num_proc", "2"])
+    return out
+
+
+@pytest.fixture(scope="session")
+def trained(docs_data, tmp_path_factory) -> Path:
+    """A tiny model trained for 60 steps on 3 ZeRO-3 processes (validation at steps 0, 30, 60); returns OUT."""
+    out = tmp_path_factory.mktemp("trained") / "out"
+    launch(3, *TINY, "--max_steps", "60", "--micro_batch_size", "4", "--eval_every", "30", "--data_dir", docs_data, "--output_dir", out)
+    return out

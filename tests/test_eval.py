@@ -1,0 +1,115 @@
+"""eval.py: exact against brute force, consistent report, bad inputs, and WikiText end to end."""
+
+import json
+import math
+import sys
+
+import pytest
+import torch
+
+import eval as ev
+from conftest import WIKITEXT2, needs_wikitext, run
+
+EVAL = [sys.executable, "eval.py"]
+DOCS = ["The quick brown fox jumps over the lazy dog. " * 6, "def f(x):\n    return x + 1\n", "A short one.",
+        "Python's documentation is a corpus too; it has many, many words in it. " * 4]
+
+
+@pytest.fixture(scope="module")
+def small_model(docs_data, tmp_path_factory):
+    """A random 2-layer Llama with the data's tokenizer, saved as a plain Hugging Face directory."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(docs_data / "tokenizer")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                                         tie_word_embeddings=False))
+    out = tmp_path_factory.mktemp("model") / "random"
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def brute_force_nll(model, tok, docs, max_length, stride):
+    """Each token scored alone, with exactly the context its window allows: one forward pass per token."""
+    prefix = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+    total = 0.0
+    for doc in docs:
+        seq = [prefix] + tok(doc, add_special_tokens=False)["input_ids"]
+        n = len(seq) - 1
+        for t in range(1, n + 1):
+            k = (t - 1) // stride
+            end = min((k + 1) * stride + 1, n + 1)
+            start = max(0, end - 1 - max_length)
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([seq[start:t]])).logits[0, -1].double()
+            total -= torch.log_softmax(logits, -1)[seq[t]].item()
+    return total
+
+
+def test_rolling_windows_score_each_token_once():
+    for n in (1, 5, 16, 17, 40):
+        for length, stride in ((16, 16), (16, 5), (8, 1)):
+            windows = ev.rolling_windows(n, length, stride)
+            scored = [t for _, first, end in windows for t in range(first, end)]
+            assert scored == list(range(1, n + 1))
+            assert all(end - 1 - start <= length for start, _, end in windows)
+
+
+@pytest.mark.parametrize("stride", [16, 5])
+def test_nll_equals_brute_force(small_model, stride, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    report = ev.evaluate(ev.Config(model=str(small_model), dataset=str(data), split="test", max_length=16, stride=stride,
+                                   batch_size=3, dtype="float32"))
+    model = AutoModelForCausalLM.from_pretrained(small_model, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(small_model)
+    expected = brute_force_nll(model, tok, DOCS, 16, stride)
+    assert report["nll"] == pytest.approx(expected, rel=1e-5)
+    assert report["tokens"] == sum(len(tok(d, add_special_tokens=False)["input_ids"]) for d in DOCS)
+    assert report["documents"] == len(DOCS)
+
+
+def test_report_is_consistent():
+    r = ev.perplexity_report(nll=1000.0, tokens=400, words=250, n_bytes=1200, documents=3)
+    assert math.log(r["token_perplexity"]) * 400 == pytest.approx(1000.0)
+    assert math.log(r["word_perplexity"]) * 250 == pytest.approx(1000.0)
+    assert math.log(r["byte_perplexity"]) * 1200 == pytest.approx(1000.0)
+    assert r["bits_per_byte"] == pytest.approx(math.log2(r["byte_perplexity"]))
+    assert ev.word_count("a  b\nc ") == 4  # the harness's re.split(r"\s+"), trailing empty string included
+
+
+def test_bad_inputs(small_model, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tiny_vocab = tmp_path / "tiny_vocab"
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(tiny_vocab)
+    (tmp_path / "empty.txt").write_text("\n\n")
+    (tmp_path / "ok.txt").write_text("Some text.\n\nMore text.\n")
+    cases = [
+        (["--model", str(tmp_path), "--dataset", str(tmp_path / "ok.txt")], "not a model directory"),
+        (["--model", str(tiny_vocab), "--tokenizer", str(small_model), "--dataset", str(tmp_path / "ok.txt")], "vocab_size is 64"),
+        (["--model", str(small_model), "--dataset", str(tmp_path / "empty.txt")], "holds no documents"),
+        (["--model", str(small_model), "--dataset", str(tmp_path / "ok.txt"), "--max_length", "16", "--stride", "32"], "--stride 32 must be between 1 and --max_length 16"),
+    ]
+    for args, message in cases:
+        out = tmp_path / "report.json"
+        proc = run(EVAL + args + ["--output_json", str(out)], check=False)
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert not out.exists()
+
+
+@needs_wikitext
+def test_wikitext_test_split_end_to_end(trained, tmp_path):
+    out = tmp_path / "wt2.json"
+    proc = run(EVAL + ["--model", str(trained / "final"), "--dataset", str(WIKITEXT2 / "wiki.test.raw"),
+                       "--batch_size", "16", "--output_json", str(out)])
+    report = json.loads(out.read_text())
+    assert report["documents"] == 62 and report["bytes"] == len((WIKITEXT2 / "wiki.test.raw").read_bytes()) - 2
+    assert 1 < report["token_perplexity"] < 512  # a trained model beats uniform over its 512-token vocabulary
+    assert "word_perplexity" in proc.stdout

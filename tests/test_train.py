@@ -1,0 +1,194 @@
+"""train.py for real: `accelerate launch` of several CPU processes under DeepSpeed ZeRO-3 (gloo, fp32).
+
+The reference run (3 processes x micro-batch 2 = global batch 6, 10 steps) is compared against one process with
+the same global batch, against a run stopped and resumed, and against runs hit by SIGTERM, SIGKILL and a NaN.
+"""
+
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY, launch, metrics, run, train_records
+
+STEPS = ["--max_steps", "10"]
+
+
+def weights(out_dir) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(Path(out_dir) / "final" / "model.safetensors")
+
+
+def assert_same_weights(a_dir, b_dir, rel=1e-6):
+    a, b = weights(a_dir), weights(b_dir)
+    assert a.keys() == b.keys()
+    for name in a:
+        diff = (a[name] - b[name]).norm() / a[name].norm()
+        assert diff < rel, f"{name}: relative difference {diff:.2e}"
+
+
+def assert_same_losses(a_dir, b_dir, rel, steps=range(1, 11)):
+    a, b = train_records(a_dir), train_records(b_dir)
+    for s in steps:
+        assert abs(a[s]["loss"] - b[s]["loss"]) / a[s]["loss"] < rel, (s, a[s]["loss"], b[s]["loss"])
+        assert a[s]["lr"] == pytest.approx(b[s]["lr"], rel=1e-12)
+
+
+@pytest.fixture(scope="module")
+def ref(docs_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref") / "out"
+    proc = launch(3, *TINY, *STEPS, "--micro_batch_size", "2", "--data_dir", docs_data, "--output_dir", out)
+    return out, proc
+
+
+def test_three_processes_partition_the_parameters(ref):
+    out, proc = ref
+    held = [float(x) / 100 for x in re.search(r"parameters held per process: ([\d.% ]+)", proc.stdout).group(1).replace("%", "").split()]
+    assert len(held) == 3
+    assert all(0.30 < h < 0.40 for h in held), held  # each rank about a third, not the whole model
+    assert "DEEPSPEED, fp32" in proc.stdout and "6 sequences" in proc.stdout
+
+
+def test_one_process_same_global_batch_gives_same_losses(ref, docs_data, tmp_path):
+    out1 = tmp_path / "one"
+    launch(1, *TINY, *STEPS, "--micro_batch_size", "6", "--data_dir", docs_data, "--output_dir", out1)
+    assert_same_losses(ref[0], out1, rel=1e-4)
+
+
+def test_resume_is_exact(ref, docs_data, tmp_path):
+    out = tmp_path / "resumed"
+    common = [*TINY, "--micro_batch_size", "2", "--data_dir", docs_data, "--output_dir", out, "--lr_decay_steps", "10"]
+    launch(3, *common, "--max_steps", "5")
+    proc = launch(3, *common, "--max_steps", "10", "--resume", "auto")
+    assert "resumed from" in proc.stdout and "step_5" in proc.stdout
+    records = [r for r in metrics(out) if "loss" in r]
+    assert [r["step"] for r in records] == list(range(1, 11))
+    assert records[5]["samples_seen"] == 6 * 6  # the resumed run starts at sample 30: no batch is read twice
+    assert_same_losses(ref[0], out, rel=1e-6)
+    assert_same_weights(ref[0], out)
+
+
+def test_validation_loss_falls_and_final_model_loads(trained, docs_data):
+    out = trained
+    val = [r for r in metrics(out) if "val_loss" in r]
+    assert [r["step"] for r in val] == [0, 30, 60]
+    assert val[-1]["val_loss"] < val[0]["val_loss"] - 1.0, val
+    assert (out / "loss_curve.png").stat().st_size > 10_000
+    # OUT/final in a fresh process: its validation loss equals the one the training processes logged.
+    script = f"""
+import sys; sys.path.insert(0, "."); import json, torch, numpy as np, lmdata, eval as ev
+from transformers import AutoModelForCausalLM
+m = AutoModelForCausalLM.from_pretrained("{out / 'final'}").eval()
+tokens = lmdata.load_split("{docs_data}", "validation")[: 2048 + 1]
+rows = torch.from_numpy(np.stack([lmdata.window(tokens, i, 32) for i in range(lmdata.num_windows(len(tokens), 32))]))
+with torch.no_grad():
+    nll, n = ev.nll_sum(m(input_ids=rows[:, :-1]).logits, rows[:, 1:])
+print(json.dumps(float(nll / n)))
+"""
+    fresh = json.loads(run([sys.executable, "-c", script]).stdout.strip().splitlines()[-1])
+    assert fresh == pytest.approx(val[-1]["val_loss"], rel=1e-5)
+
+
+def test_sigterm_saves_and_resume_matches(ref, docs_data, tmp_path):
+    out = tmp_path / "preempted"
+    args = [*TINY, *STEPS, "--micro_batch_size", "2", "--data_dir", docs_data, "--output_dir", out]
+    proc = launch(3, *args, check=False, env={"TRAIN_TEST_FAULT": "sigterm_launcher:0:4"})
+    stopped = re.search(r"stopped by signal after step (\d+)", proc.stdout)
+    assert stopped, proc.stdout[-3000:] + proc.stderr[-3000:]
+    step = int(stopped.group(1))
+    assert 4 <= step < 10
+    assert (out / "checkpoints" / f"step_{step}" / "trainer_state.json").is_file()
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{step}"
+    assert not (out / "final").exists()
+    proc = launch(3, *args, "--resume", "auto")
+    assert f"step_{step}" in proc.stdout
+    assert_same_losses(ref[0], out, rel=1e-6)
+    assert_same_weights(ref[0], out)
+
+
+def test_sigkill_while_saving_keeps_previous_checkpoint(ref, docs_data, tmp_path):
+    out = tmp_path / "killed"
+    args = [*TINY, *STEPS, "--micro_batch_size", "2", "--save_every", "2", "--data_dir", docs_data, "--output_dir", out]
+    proc = launch(3, *args, check=False, env={"TRAIN_TEST_FAULT": "sigkill_in_save:1:4", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"})
+    assert proc.returncode != 0
+    ckpts = out / "checkpoints"
+    assert (ckpts / "step_2" / "trainer_state.json").is_file()
+    assert (ckpts / ".tmp-step_4").is_dir() and not (ckpts / "step_4").exists()
+    assert (ckpts / "latest").read_text().strip() == "step_2"
+    proc = launch(3, *args, "--resume", "auto")
+    assert "ignoring incomplete checkpoint" in proc.stdout and "resumed from" in proc.stdout and "step_2" in proc.stdout
+    assert_same_losses(ref[0], out, rel=1e-6)
+    assert_same_weights(ref[0], out)
+    # --keep_last 2 prunes the others, but never the checkpoint this run resumed from
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_10", "step_2", "step_8"]
+    assert not list(ckpts.glob(".tmp-*"))
+
+
+def test_nan_loss_stops_without_writing(docs_data, tmp_path):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    out = tmp_path / "nan"
+    proc = launch(3, *TINY, *STEPS, "--micro_batch_size", "2", "--save_every", "2", "--data_dir", docs_data,
+                  "--output_dir", out, check=False, env={"TRAIN_TEST_FAULT": "nan_loss:0:3"})
+    assert proc.returncode != 0
+    assert "step 3: loss nan" in proc.stdout and "not finite" in proc.stdout
+    ckpts = out / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_2"] and not (out / "final").exists()
+    state = get_fp32_state_dict_from_zero_checkpoint(str(ckpts / "step_2"))
+    assert state and all(torch.isfinite(t).all() for t in state.values())
+
+
+def test_resume_with_other_world_size_is_refused(ref, docs_data):
+    out = ref[0]
+    before = (out / "metrics.jsonl").read_text()
+    proc = launch(1, *TINY, *STEPS, "--micro_batch_size", "2", "--data_dir", docs_data, "--output_dir", out,
+                  "--resume", "auto", check=False)
+    assert proc.returncode != 0
+    assert "world_size=3" in proc.stdout and "world_size=1" in proc.stdout
+    assert (out / "metrics.jsonl").read_text() == before
+
+
+def startup_cases(docs_data, tmp_path):
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    small_vocab = tmp_path / "small_vocab_model"
+    small_vocab.mkdir()
+    cfg = json.loads((Path("model_configs") if Path("model_configs").exists() else Path(__file__).parents[1] / "model_configs").joinpath("tiny.json").read_text())
+    (small_vocab / "config.json").write_text(json.dumps({**cfg, "vocab_size": 100}))
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    d = str(docs_data)
+    return {
+        "missing data": (["--data_dir", str(tmp_path / "nope")], "does not exist"),
+        "foreign data": (["--data_dir", str(foreign)], "not a prepared data directory"),
+        "seq_len over context": (["--data_dir", d, "--seq_len", "1024"], "max_position_embeddings=512"),
+        "vocab mismatch": (["--data_dir", d, "--init_from", str(small_vocab)], "vocab_size 100"),
+        "batch size": (["--data_dir", d, "--micro_batch_size", "0"], "--micro_batch_size 0 must be at least 1"),
+        "non-empty output": (["--data_dir", d, "--output_dir", str(busy)], "is not empty; pass --resume auto"),
+        "unwritable output": (["--data_dir", d, "--output_dir", str(a_file / "out")], "not a writable directory"),
+        "bad resume path": (["--data_dir", d, "--resume", str(foreign)], "not a complete checkpoint"),
+    }
+
+
+@pytest.mark.parametrize("case", ["missing data", "foreign data", "seq_len over context", "vocab mismatch", "batch size",
+                                  "non-empty output", "unwritable output", "bad resume path"])
+def test_startup_errors(docs_data, tmp_path, case):
+    args, message = startup_cases(docs_data, tmp_path)[case]
+    out = tmp_path / "out"
+    if "--output_dir" not in args:
+        args = args + ["--output_dir", str(out)]
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    proc = run([sys.executable, "train.py", "--model_config", "tiny", *args], check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    errors = [l for l in proc.stdout.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before  # nothing written
