@@ -68,6 +68,12 @@ class Config:
     save_every: int = dataclasses.field(default=100, metadata={"help": "optimizer steps between checkpoints (0: only at the end)"})
     keep_last: int = dataclasses.field(default=2, metadata={"help": "complete checkpoints to keep"})
     resume: str = dataclasses.field(default="", metadata={"help": "'auto' (newest complete checkpoint in OUT, if any) or a checkpoint directory"})
+    plan: bool = dataclasses.field(default=False, metadata={"help": "print the memory and time plan for this model, config and batch, then exit (no training, no GPU)"})
+    accelerate_config: str = dataclasses.field(default="", metadata={"help": "with --plan: the accelerate config YAML to plan for (default: the CPU config)"})
+    assumed_mfu: float = dataclasses.field(default=0.35, metadata={"help": "model FLOPs utilisation assumed for the planned step time"})
+    interconnect_gb_s: float = dataclasses.field(default=10.0, metadata={"help": "GPU-to-GPU bandwidth assumed for the plan, GB/s (PCIe 4.0 x16 without P2P: ~10)"})
+    gpu_memory_gib: float = dataclasses.field(default=24.0, metadata={"help": "with --plan: memory per GPU to plan for (RTX 4090: 24); a real run reads the device"})
+    ignore_memory_plan: bool = dataclasses.field(default=False, metadata={"help": "start even when the plan says the model does not fit the GPUs"})
     log_with: str = dataclasses.field(default="", metadata={"help": "extra tracker for accelerate, e.g. tensorboard"})
     gradient_checkpointing: bool = dataclasses.field(default=False, metadata={"help": "recompute activations in backward (less memory, ~30%% more compute)"})
     attn_implementation: str = dataclasses.field(default="sdpa", metadata={"help": "attention kernel: sdpa or eager"})
@@ -135,6 +141,72 @@ def config_hash(model_config) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def llama_param_counts(c) -> dict:
+    """Parameter counts of a Llama/DeepSeek config without building it: total, non-embedding, largest tensor."""
+    h, v, f, n_layers = c.hidden_size, c.vocab_size, c.intermediate_size, c.num_hidden_layers
+    kv = c.num_key_value_heads * (h // c.num_attention_heads)
+    layer = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
+    embed = v * h
+    head = 0 if c.tie_word_embeddings else v * h
+    total = embed + head + n_layers * layer + h
+    return {"total": total, "non_embedding": total - embed, "largest_tensor": max(embed, h * f), "per_layer": layer}
+
+
+def memory_plan(c, world_size: int, micro_batch_size: int, seq_len: int, precision: str, offload_optimizer: bool,
+                offload_params: bool, gradient_checkpointing: bool, attn: str) -> dict:
+    """Bytes per GPU (and host) for one training process, by component.
+
+    Model states (ZeRO-3, Adam, mixed precision): 16-bit parameters 2 B, 16-bit gradients 2 B, fp32 master weights
+    + Adam m and v 12 B per parameter, each sharded over the world; in fp32 training parameters and gradients take
+    4 B each and there is no separate master copy. The largest tensor is gathered whole in 16-bit for its forward.
+    Activations per layer follow Korthikanti et al. 2022 (34 s b h bytes in 16-bit, plus 5 a s^2 b for eager
+    attention scores); checkpointing keeps each layer's 16-bit input and recomputes one layer at a time. The loss
+    keeps the logits, an fp32 copy and its gradient.
+    """
+    counts = llama_param_counts(c)
+    p, n = counts["total"], world_size
+    half = precision in ("fp16", "bf16")
+    param_b, grad_b, optim_b = (2, 2, 12) if half else (4, 4, 8)
+    act_b = 2 if half else 4
+    s, b, h, a, L, v = seq_len, micro_batch_size, c.hidden_size, c.num_attention_heads, c.num_hidden_layers, c.vocab_size
+    per_layer = s * b * h * 34 * act_b / 2 + (5 * a * s * s * b * act_b / 2 if attn == "eager" else 0)
+    acts_full = L * per_layer
+    acts_ckpt = L * s * b * h * act_b + per_layer
+    logits = s * b * v * (act_b + 4 + 4)
+    gpu = {
+        "parameters": 0 if offload_params else param_b * p / n,
+        "gradients": grad_b * p / n,
+        "optimizer_states": 0 if offload_optimizer else optim_b * p / n,
+        "gathered_largest_tensor": param_b * counts["largest_tensor"],
+        "activations": (acts_ckpt if gradient_checkpointing else acts_full) + logits,
+    }
+    # Offloaded optimizer: fp32 master weights, Adam states and fp32 gradients live in host RAM.
+    host = ((optim_b + 4) * p / n if offload_optimizer else 0) + (param_b * p / n if offload_params else 0)
+    return {"gpu": gpu, "gpu_total": sum(gpu.values()), "host_per_process": host,
+            "activations_without_checkpointing": acts_full + logits, "activations_with_checkpointing": acts_ckpt + logits,
+            "params": counts}
+
+
+def deepspeed_estimate(total_params: int, largest_tensor: int, gpus_per_node: int, nodes: int, offload_optimizer: bool, offload_params: bool) -> tuple[int, int]:
+    """DeepSpeed's own ZeRO-3 model-state estimate: (host bytes per node, GPU bytes per GPU), zero.Init on."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+    cpu, gpu, _ = estimate_zero3_model_states_mem_needs(total_params, largest_tensor, gpus_per_node, nodes,
+                                                        cpu_offload=offload_optimizer, cpu_offload_params=offload_params, zero_init=True)
+    return cpu, gpu
+
+
+def step_time_plan(flops_tok: float, tokens_per_step: int, world_size: int, peak_flops_per_device: float, mfu_assumed: float,
+                   total_params: int, grad_accum: int, param_bytes: int, bandwidth_b_s: float) -> dict:
+    """Seconds per optimizer step: compute at the assumed MFU, plus ZeRO-3 traffic, which per micro-step is about 1.5x
+    plain data parallel's all-reduce (parameters all-gathered for forward and backward, gradients reduce-scattered:
+    3 x the 16-bit model over (n-1)/n of the ring), assumed not overlapped with compute (an upper bound)."""
+    compute_s = flops_tok * tokens_per_step / (world_size * peak_flops_per_device * mfu_assumed)
+    comm_s = 0.0 if world_size == 1 else grad_accum * 3 * param_bytes * total_params * (world_size - 1) / world_size / bandwidth_b_s
+    step_s = compute_s + comm_s
+    return {"compute_s": compute_s, "comm_s": comm_s, "step_s": step_s, "tokens_per_s": tokens_per_step / step_s}
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Setup
 # ---------------------------------------------------------------------------------------------------------------------
@@ -157,7 +229,9 @@ def load_model_config(cfg: Config, meta: dict):
     path = resolve_model_config(cfg.init_from or cfg.model_config)
     d = json.loads(path.read_text())
     model_config = AutoConfig.for_model(d.pop("model_type", "llama"), **d)
-    if cfg.init_from:
+    if meta is None:  # planning without data: the preset's own vocabulary
+        pass
+    elif cfg.init_from:
         if model_config.vocab_size < meta["vocab_size"]:
             raise StartupError(f"--init_from {cfg.init_from} has vocab_size {model_config.vocab_size} < the data's {meta['vocab_size']}; "
                                f"prepare the data with that model's tokenizer")
@@ -210,6 +284,85 @@ def validate(cfg: Config, resuming: bool) -> dict:
     if cfg.resume not in ("", "auto") and not (Path(cfg.resume) / "trainer_state.json").is_file():
         raise StartupError(f"--resume {cfg.resume} is not a complete checkpoint (no trainer_state.json); use --resume auto or a checkpoints/step_N directory")
     return meta
+
+
+def read_accelerate_config(path: str) -> dict:
+    """What the planner needs from an accelerate YAML (and the DeepSpeed JSON it may name)."""
+    import yaml
+
+    y = yaml.safe_load(Path(path).read_text())
+    ds = y.get("deepspeed_config") or {}
+    js = json.loads(Path(ds["deepspeed_config_file"]).read_text()) if ds.get("deepspeed_config_file") else {}
+    zero = js.get("zero_optimization", {})
+    precision = y.get("mixed_precision", "no")
+    if js.get("fp16", {}).get("enabled") is True:
+        precision = "fp16"
+    elif js.get("bf16", {}).get("enabled") is True:
+        precision = "bf16"
+    return {
+        "world_size": int(y.get("num_processes", 1)), "nodes": int(y.get("num_machines", 1)),
+        "precision": {"no": "fp32"}.get(precision, precision),
+        "grad_accum": int(js.get("gradient_accumulation_steps", ds.get("gradient_accumulation_steps", 1))),
+        "offload_optimizer": (zero.get("offload_optimizer", {}).get("device") or ds.get("offload_optimizer_device", "none")) not in ("none", None),
+        "offload_params": (zero.get("offload_param", {}).get("device") or ds.get("offload_param_device", "none")) not in ("none", None),
+        "gpu": not y.get("use_cpu", False),
+    }
+
+
+def plan_report(cfg: Config, model_config, setup: dict, gpu_memory_gib: float, peak_flops_per_device: float, steps: int) -> tuple[list[str], bool]:
+    """The memory and time plan as printable lines, and whether the model states + activations fit the devices."""
+    gib = 2**30
+    world, nodes = setup["world_size"], setup["nodes"]
+    mem = memory_plan(model_config, world, cfg.micro_batch_size, cfg.seq_len, setup["precision"], setup["offload_optimizer"],
+                      setup["offload_params"], cfg.gradient_checkpointing, cfg.attn_implementation)
+    counts = mem["params"]
+    ds_host, ds_gpu = deepspeed_estimate(counts["total"], counts["largest_tensor"], world // nodes, nodes,
+                                         setup["offload_optimizer"], setup["offload_params"])
+    act = mem["gpu"]["activations"]
+    need = max(mem["gpu_total"], ds_gpu + act)
+    fits = need <= gpu_memory_gib * gib * 0.95  # the CUDA context, allocator fragmentation and buffers take the rest
+    flops_tok = flops_per_token(counts["non_embedding"], model_config.num_hidden_layers, model_config.hidden_size, cfg.seq_len)
+    plan = batch_plan(cfg.micro_batch_size, setup["grad_accum"], world, cfg.seq_len)
+    t = step_time_plan(flops_tok, plan["tokens_per_step"], world, peak_flops_per_device, cfg.assumed_mfu, counts["total"],
+                       setup["grad_accum"], 2 if setup["precision"] != "fp32" else 4, cfg.interconnect_gb_s * 1e9)
+    where = "device" if setup["gpu"] else "process"
+    lines = [
+        f"plan: {counts['total'] / 1e9:.3f}B parameters ({counts['non_embedding'] / 1e9:.3f}B non-embedding, largest tensor {counts['largest_tensor'] / 1e6:.1f}M), "
+        f"{flops_tok / 1e9:.2f} GFLOP/token, vocab {model_config.vocab_size}; {world} processes on {nodes} machine(s), {setup['precision']}, "
+        f"offload optimizer={setup['offload_optimizer']} parameters={setup['offload_params']}",
+        f"  per {where}: parameters {mem['gpu']['parameters'] / gib:.2f} GiB + gradients {mem['gpu']['gradients'] / gib:.2f} + optimizer states "
+        f"{mem['gpu']['optimizer_states'] / gib:.2f} + gathered largest tensor {mem['gpu']['gathered_largest_tensor'] / gib:.2f} + activations "
+        f"{act / gib:.2f} (checkpointing {'on' if cfg.gradient_checkpointing else 'off'}; on: {mem['activations_with_checkpointing'] / gib:.2f}, "
+        f"off: {mem['activations_without_checkpointing'] / gib:.2f}) = {mem['gpu_total'] / gib:.2f} GiB",
+        f"  DeepSpeed's ZeRO-3 estimator: {ds_gpu / gib:.2f} GiB model states per {where}, {ds_host / gib:.1f} GiB host RAM per machine "
+        f"(ours: {mem['host_per_process'] * world / nodes / gib:.1f} GiB offloaded per machine)",
+        f"  step: {plan['tokens_per_step']:,} tokens, {t['step_s']:.2f} s ({t['compute_s']:.2f} s compute at {cfg.assumed_mfu:.0%} MFU of "
+        f"{peak_flops_per_device / 1e12:.0f} TFLOP/s + {t['comm_s']:.2f} s ZeRO-3 traffic at {cfg.interconnect_gb_s:g} GB/s) = "
+        f"{t['tokens_per_s']:,.0f} tokens/s" + (f"; {steps} steps = {steps * t['step_s'] / 3600:.1f} h" if steps else ""),
+    ]
+    if setup["gpu"]:
+        verdict = "fits" if fits else "does NOT fit"
+        lines.append(f"  {verdict}: needs {need / gib:.1f} GiB of {gpu_memory_gib:g} GiB per GPU")
+        if not fits:
+            advice = ("use accelerate_configs/zero3_offload_3gpu.yaml (optimizer and parameters in CPU RAM)"
+                      if not setup["offload_optimizer"] else "lower --micro_batch_size or --seq_len")
+            lines.append(f"  advice: {advice}" + ("; add --gradient_checkpointing" if not cfg.gradient_checkpointing else ""))
+    return lines, fits or not setup["gpu"]
+
+
+def run_plan(cfg: Config) -> int:
+    """`train.py --plan`: the plan for a config on paper, no process group and no GPU needed."""
+    try:
+        setup = read_accelerate_config(cfg.accelerate_config or "accelerate_configs/zero3_cpu.yaml")
+        meta = lmdata.read_meta(cfg.data_dir) if (Path(cfg.data_dir) / "meta.json").is_file() else None
+        model_config = load_model_config(cfg, meta) if meta else load_model_config(cfg, None)
+    except (OSError, KeyError, StartupError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    peak = GPU_PEAK_FLOPS["RTX 4090"] if setup["gpu"] else 0.1e12  # the target card; a CPU core at ~100 GFLOP/s
+    lines, _ = plan_report(cfg, model_config, setup, cfg.gpu_memory_gib, peak, cfg.max_steps)
+    print("\n".join(lines))
+    return 0
 
 
 def grad_accum_steps(accelerator) -> int:
@@ -471,6 +624,19 @@ def train(cfg: Config) -> int:
         f"{accelerator.distributed_type.value}, {precision}"
     )
 
+    offload = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") not in ("none", None)
+    offload_params = ds_config.get("zero_optimization", {}).get("offload_param", {}).get("device", "none") not in ("none", None)
+    on_gpu = torch.cuda.is_available()
+    peak_flops, peak_source = measure_peak_flops(accelerator, torch.float32 if precision == "fp32" else torch.bfloat16 if precision == "bf16" else torch.float16)
+    setup = {"world_size": plan["world_size"], "nodes": max(1, plan["world_size"] // max(1, torch.cuda.device_count())) if on_gpu else 1,
+             "precision": precision, "grad_accum": accum, "offload_optimizer": offload, "offload_params": offload_params, "gpu": on_gpu}
+    device_gib = torch.cuda.get_device_properties(accelerator.device).total_memory / 2**30 if on_gpu else 0.0
+    lines, fits = plan_report(cfg, model_config, setup, device_gib, peak_flops / plan["world_size"], total_steps)
+    accelerator.print("\n".join(lines))
+    if not fits and not cfg.ignore_memory_plan:
+        accelerator.print("error: the plan above does not fit this GPU's memory; follow its advice, or pass --ignore_memory_plan to try anyway")
+        return 2
+
     set_seed(cfg.seed)
     # The Accelerator exists, so under ZeRO-3 each parameter is partitioned as soon as it is created.
     model_kwargs = {"attn_implementation": cfg.attn_implementation, "dtype": torch.float32}
@@ -485,14 +651,12 @@ def train(cfg: Config) -> int:
     held = accelerator.gather(torch.tensor([local_numel / n_params], device=accelerator.device)).tolist()
     accelerator.print(f"parameters held per process: {' '.join(f'{h:.1%}' for h in held)}")
     flops_tok = flops_per_token(n_non_embedding, model_config.num_hidden_layers, model_config.hidden_size, cfg.seq_len)
-    offload = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") not in ("none", None)
     optimizer = make_optimizer(model, cfg, offload)
     if is_deepspeed:
         ds_config["train_micro_batch_size_per_gpu"] = cfg.micro_batch_size
         ds_config["gradient_clipping"] = cfg.max_grad_norm
     model, optimizer = accelerator.prepare(model, optimizer)
     tokenizer = AutoTokenizer.from_pretrained(Path(cfg.data_dir) / "tokenizer")
-    peak_flops, peak_source = measure_peak_flops(accelerator, torch.float32 if precision == "fp32" else torch.bfloat16 if precision == "bf16" else torch.float16)
     accelerator.print(f"model: {n_params / 1e6:.2f}M parameters ({n_non_embedding / 1e6:.2f}M non-embedding), "
                       f"{flops_tok / 1e6:.1f} MFLOP/token; peak {peak_flops / 1e12:.2f} TFLOP/s ({peak_source})")
 
@@ -623,6 +787,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import HfArgumentParser
 
     (cfg,) = HfArgumentParser(Config, description=__doc__.split("\n\n")[0]).parse_args_into_dataclasses(argv)
+    if cfg.plan:
+        return run_plan(cfg)
     return train(cfg)
 
 
