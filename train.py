@@ -158,10 +158,13 @@ def memory_plan(c, world_size: int, micro_batch_size: int, seq_len: int, precisi
 
     Model states (ZeRO-3, Adam, mixed precision): 16-bit parameters 2 B, 16-bit gradients 2 B, fp32 master weights
     + Adam m and v 12 B per parameter, each sharded over the world; in fp32 training parameters and gradients take
-    4 B each and there is no separate master copy. The largest tensor is gathered whole in 16-bit for its forward.
-    Activations per layer follow Korthikanti et al. 2022 (34 s b h bytes in 16-bit, plus 5 a s^2 b for eager
-    attention scores); checkpointing keeps each layer's 16-bit input and recomputes one layer at a time. The loss
-    keeps the logits, an fp32 copy and its gradient.
+    4 B each and there is no separate master copy. The largest tensor is gathered whole in 16-bit for its forward,
+    and the optimizer step needs one fp32 temporary the size of its shard (Adam's denominator).
+    Activations saved for backward, per token and layer of a Llama block (the count of Korthikanti et al. 2022
+    redone for RMSNorm, RoPE and SwiGLU, no dropout): two norm inputs (2h), attention input, q, k, v, rotated q
+    and k, attention output (4h + 3 kv), MLP input, gate, up, SiLU and product (h + 4 ffn), plus 2 a s for eager
+    attention's score matrices. Checkpointing keeps each layer's input and recomputes one layer at a time. The
+    loss keeps the logits, an fp32 copy and its gradient.
     """
     counts = llama_param_counts(c)
     p, n = counts["total"], world_size
@@ -169,7 +172,9 @@ def memory_plan(c, world_size: int, micro_batch_size: int, seq_len: int, precisi
     param_b, grad_b, optim_b = (2, 2, 12) if half else (4, 4, 8)
     act_b = 2 if half else 4
     s, b, h, a, L, v = seq_len, micro_batch_size, c.hidden_size, c.num_attention_heads, c.num_hidden_layers, c.vocab_size
-    per_layer = s * b * h * 34 * act_b / 2 + (5 * a * s * s * b * act_b / 2 if attn == "eager" else 0)
+    kv = c.num_key_value_heads * (h // a)
+    per_token = 7 * h + 3 * kv + 4 * c.intermediate_size + (2 * a * s if attn == "eager" else 0)
+    per_layer = s * b * per_token * act_b
     acts_full = L * per_layer
     acts_ckpt = L * s * b * h * act_b + per_layer
     logits = s * b * v * (act_b + 4 + 4)
@@ -178,6 +183,7 @@ def memory_plan(c, world_size: int, micro_batch_size: int, seq_len: int, precisi
         "gradients": grad_b * p / n,
         "optimizer_states": 0 if offload_optimizer else optim_b * p / n,
         "gathered_largest_tensor": param_b * counts["largest_tensor"],
+        "optimizer_step_temporaries": 0 if offload_optimizer else 4 * p / n,
         "activations": (acts_ckpt if gradient_checkpointing else acts_full) + logits,
     }
     # Offloaded optimizer: fp32 master weights, Adam states and fp32 gradients live in host RAM.
@@ -331,7 +337,7 @@ def plan_report(cfg: Config, model_config, setup: dict, gpu_memory_gib: float, p
         f"{flops_tok / 1e9:.2f} GFLOP/token, vocab {model_config.vocab_size}; {world} processes on {nodes} machine(s), {setup['precision']}, "
         f"offload optimizer={setup['offload_optimizer']} parameters={setup['offload_params']}",
         f"  per {where}: parameters {mem['gpu']['parameters'] / gib:.2f} GiB + gradients {mem['gpu']['gradients'] / gib:.2f} + optimizer states "
-        f"{mem['gpu']['optimizer_states'] / gib:.2f} + gathered largest tensor {mem['gpu']['gathered_largest_tensor'] / gib:.2f} + activations "
+        f"{mem['gpu']['optimizer_states'] / gib:.2f} + step temporaries {mem['gpu']['optimizer_step_temporaries'] / gib:.2f} + gathered largest tensor {mem['gpu']['gathered_largest_tensor'] / gib:.2f} + activations "
         f"{act / gib:.2f} (checkpointing {'on' if cfg.gradient_checkpointing else 'off'}; on: {mem['activations_with_checkpointing'] / gib:.2f}, "
         f"off: {mem['activations_without_checkpointing'] / gib:.2f}) = {mem['gpu_total'] / gib:.2f} GiB",
         f"  DeepSpeed's ZeRO-3 estimator: {ds_gpu / gib:.2f} GiB model states per {where}, {ds_host / gib:.1f} GiB host RAM per machine "
@@ -637,6 +643,7 @@ def train(cfg: Config) -> int:
         accelerator.print("error: the plan above does not fit this GPU's memory; follow its advice, or pass --ignore_memory_plan to try anyway")
         return 2
 
+    mem_before_model_gib = peak_memory_gib(accelerator.device)  # the baseline the plan's estimate adds to
     set_seed(cfg.seed)
     # The Accelerator exists, so under ZeRO-3 each parameter is partitioned as soon as it is created.
     model_kwargs = {"attn_implementation": cfg.attn_implementation, "dtype": torch.float32}
@@ -673,7 +680,8 @@ def train(cfg: Config) -> int:
         # Lines logged after the checkpoint by the run that died would be logged again: drop them.
         kept = [l for l in metrics_path.read_text().splitlines() if json.loads(l)["step"] <= start_step] if metrics_path.exists() else []
         metrics_path.write_text("".join(l + "\n" for l in kept))
-        (out / "config.json").write_text(json.dumps({**dataclasses.asdict(cfg), "batch_plan": plan, "total_steps": total_steps, "precision": precision}, indent=2) + "\n")
+        (out / "config.json").write_text(json.dumps({**dataclasses.asdict(cfg), "batch_plan": plan, "total_steps": total_steps, "precision": precision,
+                                                    "peak_mem_before_model_gib": mem_before_model_gib}, indent=2) + "\n")
     if cfg.log_with:
         accelerator.init_trackers("train", config={k: v for k, v in dataclasses.asdict(cfg).items() if isinstance(v, (int, float, str, bool))})
 
@@ -682,7 +690,7 @@ def train(cfg: Config) -> int:
             with open(out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
             if console:
-                bar.write(console) if bar else print(console, flush=True)
+                bar.write(console)
         if cfg.log_with:
             accelerator.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
 

@@ -1,0 +1,70 @@
+"""eval.py's scoring rate against a bare `torch.no_grad()` forward loop over the same windows.
+
+    python bench/eval_throughput.py [--model_config small] [--max_length 256]
+
+A randomly initialised model of the preset (speed does not depend on the weights), the same windows (eval.py's
+make_windows over WikiText-2 test when the local copy is present, else the python-docs held-out text), the same
+batches. eval.py's side is score_windows (forward, masked NLL sums); the bare side is the forward pass alone.
+Target: at least 0.9 of the bare loop.
+"""
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from common import REPO, record, sh
+
+import eval as ev
+import lmdata
+import train
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model_config", default="small")
+    ap.add_argument("--max_length", type=int, default=256)
+    ap.add_argument("--batch_size", type=int, default=8)
+    ap.add_argument("--max_documents", type=int, default=8)
+    args = ap.parse_args()
+    wikitext = Path(os.environ.get("WIKITEXT2_DIR", REPO.parent / "shared" / "data" / "wikitext-2")) / "wiki.test.raw"
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "data"
+        sh(["python", "prepare_data.py", "--dataset", "python-docs", "--tokenizer", "bpe:8192", "--output_dir", str(data)])
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        meta = lmdata.read_meta(data)
+        tok = AutoTokenizer.from_pretrained(data / "tokenizer")
+        mc = train.load_model_config(train.Config(model_config=args.model_config, seq_len=args.max_length), meta)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(mc, attn_implementation="sdpa", dtype=torch.float32).eval()
+        source = str(wikitext) if wikitext.is_file() else str(data)
+        docs = ev.load_documents(ev.Config(dataset=source, split="test" if wikitext.is_file() else "validation", max_documents=args.max_documents))
+        windows = ev.make_windows(docs, tok, tok.eos_token_id, args.max_length, args.max_length)
+        order = sorted(range(len(windows)), key=lambda i: -len(windows[i][0]))
+        batches = []
+        for b in range(0, len(order), args.batch_size):
+            chunk = [windows[i] for i in order[b : b + args.batch_size]]
+            width = len(chunk[0][0])
+            batches.append(torch.tensor([w[0] + [0] * (width - len(w[0])) for w in chunk]))
+        n_tokens = sum(sum(t != -100 for t in w[1]) for w in windows)
+        bare, ours = [], []
+        for _ in range(3):  # interleaved repeats; the best of each side
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                for x in batches:
+                    model(input_ids=x, use_cache=False)
+            bare.append(n_tokens / (time.perf_counter() - t0))
+            t0 = time.perf_counter()
+            ev.score_windows(model, windows, args.batch_size, torch.device("cpu"), tok.eos_token_id, progress=False)
+            ours.append(n_tokens / (time.perf_counter() - t0))
+    record("eval_throughput", {"model_config": args.model_config, "source": Path(source).name, "documents": len(docs),
+                               "windows": len(windows), "tokens": n_tokens, "bare_forward_tokens_per_s": max(bare),
+                               "eval_py_tokens_per_s": max(ours), "ratio": max(ours) / max(bare), "target": 0.9})
+
+
+if __name__ == "__main__":
+    main()

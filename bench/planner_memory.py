@@ -1,0 +1,52 @@
+"""The planner's predicted memory against the measured peak RSS growth of a real CPU run.
+
+    python bench/planner_memory.py [--model_config small] [--micro_batch_size 8] [--seq_len 256]
+
+One process, `python train.py` (fp32, no ZeRO: the whole model, gradients and AdamW states in this process), a
+few steps. Measured: peak RSS during training minus the peak RSS before the model was built (train.py records
+both). Predicted: train.py's memory_plan for the same model, batch, sequence length and precision on 1 process.
+Target: within 25%.
+"""
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from common import record, sh
+
+import lmdata
+import train
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model_config", default="small")
+    ap.add_argument("--micro_batch_size", type=int, default=8)
+    ap.add_argument("--seq_len", type=int, default=256)
+    ap.add_argument("--gradient_checkpointing", action="store_true")
+    args = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "data"
+        sh(["python", "prepare_data.py", "--dataset", "python-docs", "--tokenizer", "bpe:8192", "--output_dir", str(data)])
+        for ckpt in (False, True):
+            out = Path(tmp) / f"run-{ckpt}"
+            sh(["python", "train.py", "--data_dir", str(data), "--model_config", args.model_config, "--output_dir", str(out),
+                "--seq_len", str(args.seq_len), "--micro_batch_size", str(args.micro_batch_size), "--max_steps", "6",
+                "--log_every", "1", "--eval_every", "0", "--eval_tokens", "2048", "--save_every", "0"]
+               + (["--gradient_checkpointing"] if ckpt else []))
+            before = json.loads((out / "config.json").read_text())["peak_mem_before_model_gib"]
+            peak = max(json.loads(l).get("peak_mem_gib", 0) for l in (out / "metrics.jsonl").read_text().splitlines())
+            mc = train.load_model_config(train.Config(model_config=args.model_config, seq_len=args.seq_len), lmdata.read_meta(data))
+            plan = train.memory_plan(mc, 1, args.micro_batch_size, args.seq_len, "fp32", False, False, ckpt, "sdpa")
+            predicted = plan["gpu_total"] - plan["gpu"]["gathered_largest_tensor"]  # no ZeRO: nothing is gathered
+            measured = (peak - before) * 2**30
+            rows.append({"gradient_checkpointing": ckpt, "predicted_gib": predicted / 2**30, "measured_growth_gib": measured / 2**30,
+                         "peak_rss_gib": peak, "rss_before_model_gib": before, "ratio_predicted_vs_measured": predicted / measured})
+    record("planner_memory", {"model_config": args.model_config, "micro_batch_size": args.micro_batch_size, "seq_len": args.seq_len,
+                              "runs": rows, "target": "predicted within 25% of measured"})
+
+
+if __name__ == "__main__":
+    main()
