@@ -615,6 +615,9 @@ def train(cfg: Config) -> int:
         if resume_from is not None:
             resume_state = json.loads((resume_from / "trainer_state.json").read_text())
             check_resume_compatible(resume_state, run_identity, resume_from)
+            if resume_state["step"] > total_steps:
+                raise StartupError(f"cannot resume {resume_from}: it is at step {resume_state['step']}, beyond this run's {total_steps} steps; "
+                                   f"raise --max_steps (or --num_epochs)")
     except StartupError as e:
         accelerator.print(f"error: {e}")
         return 2
@@ -678,7 +681,8 @@ def train(cfg: Config) -> int:
         out.mkdir(parents=True, exist_ok=True)
         metrics_path = out / "metrics.jsonl"
         # Lines logged after the checkpoint by the run that died would be logged again: drop them.
-        kept = [l for l in metrics_path.read_text().splitlines() if json.loads(l)["step"] <= start_step] if metrics_path.exists() else []
+        kept = ([l for l in metrics_path.read_text().splitlines() if json.loads(l)["step"] <= start_step]
+                if resume_state is not None and metrics_path.exists() else [])
         metrics_path.write_text("".join(l + "\n" for l in kept))
         (out / "config.json").write_text(json.dumps({**dataclasses.asdict(cfg), "batch_plan": plan, "total_steps": total_steps, "precision": precision,
                                                     "peak_mem_before_model_gib": mem_before_model_gib}, indent=2) + "\n")

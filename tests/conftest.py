@@ -68,5 +68,6 @@ def docs_data(tmp_path_factory) -> Path:
 def trained(docs_data, tmp_path_factory) -> Path:
     """A tiny model trained for 60 steps on 3 ZeRO-3 processes (validation at steps 0, 30, 60); returns OUT."""
     out = tmp_path_factory.mktemp("trained") / "out"
-    launch(3, *TINY, "--max_steps", "60", "--micro_batch_size", "4", "--eval_every", "30", "--data_dir", docs_data, "--output_dir", out)
+    launch(3, *TINY, "--max_steps", "60", "--micro_batch_size", "4", "--eval_every", "30", "--data_dir", docs_data, "--output_dir", out,
+           "--log_with", "tensorboard")
     return out

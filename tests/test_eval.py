@@ -113,3 +113,15 @@ def test_wikitext_test_split_end_to_end(trained, tmp_path):
     assert report["documents"] == 62 and report["bytes"] == len((WIKITEXT2 / "wiki.test.raw").read_bytes()) - 2
     assert 1 < report["token_perplexity"] < 512  # a trained model beats uniform over its 512-token vocabulary
     assert "word_perplexity" in proc.stdout
+
+
+def test_documents_split_over_processes_give_the_same_nll(trained, docs_data, tmp_path):
+    from conftest import ACCELERATE, free_port
+
+    args = ["eval.py", "--model", str(trained / "final"), "--dataset", str(docs_data), "--split", "validation", "--max_length", "64"]
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    run([sys.executable, *args, "--output_json", str(one)])
+    run([ACCELERATE, "launch", "--cpu", "--num_processes", "2", "--main_process_port", str(free_port()), *args, "--output_json", str(two)])
+    a, b = json.loads(one.read_text()), json.loads(two.read_text())
+    assert a["tokens"] == b["tokens"] and a["documents"] == b["documents"]
+    assert b["nll"] == pytest.approx(a["nll"], rel=1e-9)

@@ -79,6 +79,7 @@ def test_validation_loss_falls_and_final_model_loads(trained, docs_data):
     assert [r["step"] for r in val] == [0, 30, 60]
     assert val[-1]["val_loss"] < val[0]["val_loss"] - 1.0, val
     assert (out / "loss_curve.png").stat().st_size > 10_000
+    assert list(out.rglob("events.out.tfevents.*")), "--log_with tensorboard wrote no event file"
     # OUT/final in a fresh process: its validation loss equals the one the training processes logged.
     script = f"""
 import sys; sys.path.insert(0, "."); import json, torch, numpy as np, lmdata, eval as ev
@@ -192,3 +193,27 @@ def test_startup_errors(docs_data, tmp_path, case):
     assert len(errors) == 1 and message in errors[0], proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     assert sorted(p.name for p in tmp_path.rglob("*")) == before  # nothing written
+
+
+def test_init_from_loads_weights_under_zero3(trained, docs_data, tmp_path):
+    """--init_from builds the model from a Hugging Face directory under zero.Init: its step-0 validation loss is
+    the loss the source run ended with, so the weights really arrived in the shards."""
+    out = tmp_path / "continued"
+    launch(2, *TINY, "--max_steps", "2", "--micro_batch_size", "4", "--data_dir", docs_data, "--output_dir", out,
+           "--init_from", trained / "final")
+    start = next(r for r in metrics(out) if r["step"] == 0)["val_loss"]
+    source = [r for r in metrics(trained) if "val_loss" in r][-1]["val_loss"]
+    assert start == pytest.approx(source, rel=1e-5)
+
+
+@pytest.mark.parametrize("key", ["world_size", "micro_batch_size", "grad_accum_steps", "seq_len", "seed", "data_fingerprint", "model_config_hash"])
+def test_resume_refuses_any_difference(key):
+    import train
+
+    state = {"world_size": 3, "micro_batch_size": 2, "grad_accum_steps": 1, "seq_len": 32, "seed": 0,
+             "data_fingerprint": "abc", "model_config_hash": "def", "step": 5}
+    current = {k: v for k, v in state.items() if k != "step"}
+    train.check_resume_compatible(state, current, Path("ckpt"))
+    changed = {**current, key: "other"}
+    with pytest.raises(train.StartupError, match=f"{key}="):
+        train.check_resume_compatible(state, changed, Path("ckpt"))
