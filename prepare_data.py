@@ -133,7 +133,7 @@ def load_corpus(cfg: Config) -> tuple[dict, list[dict]]:
             print(f"warning: {spec}: {record['replaced_bytes']} undecodable bytes were replaced by U+FFFD", file=sys.stderr)
         records.append(record)
     if "validation" not in splits:
-        raise DataError(f"no validation documents: each source has a single document; add documents or a source with a validation split")
+        raise DataError("no validation documents: each source has a single document; add documents or a source with a validation split")
     return splits, records
 
 

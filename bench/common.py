@@ -31,3 +31,21 @@ def sh(cmd: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
+
+
+def prepare_docs(tmp: str, vocab: int = 8192) -> Path:
+    """python-docs with a BPE of `vocab` tokens in tmp/data, through prepare_data.py as a user runs it."""
+    data = Path(tmp) / "data"
+    sh(["python", "prepare_data.py", "--dataset", "python-docs", "--tokenizer", f"bpe:{vocab}", "--output_dir", str(data)])
+    return data
+
+
+def train_py_rate(launcher: list[str], data: Path, out: Path, model_config: str, seq_len: int, batch: int, steps: int,
+                  intervals: int = 3) -> dict:
+    """Run train.py (after `launcher`, e.g. ["python"] or an accelerate launch prefix) and return its mean logged
+    tokens/s and MFU over the log intervals after the first, which holds the warm-up."""
+    sh(launcher + ["train.py", "--data_dir", str(data), "--model_config", model_config, "--output_dir", str(out),
+                   "--seq_len", str(seq_len), "--micro_batch_size", str(batch), "--max_steps", str(steps),
+                   "--log_every", str(max(1, steps // intervals)), "--eval_every", "0", "--eval_tokens", "4096", "--save_every", "0"])
+    records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in l][1:]
+    return {"tokens_per_s": sum(r["tokens_per_s"] for r in records) / len(records), "mfu": sum(r["mfu"] for r in records) / len(records)}

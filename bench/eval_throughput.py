@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from common import REPO, record, sh
+from common import REPO, prepare_docs, record
 
 import eval as ev
 import lmdata
@@ -32,8 +32,7 @@ def main():
     args = ap.parse_args()
     wikitext = Path(os.environ.get("WIKITEXT2_DIR", REPO.parent / "shared" / "data" / "wikitext-2")) / "wiki.test.raw"
     with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "data"
-        sh(["python", "prepare_data.py", "--dataset", "python-docs", "--tokenizer", "bpe:8192", "--output_dir", str(data)])
+        data = prepare_docs(tmp)
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         meta = lmdata.read_meta(data)

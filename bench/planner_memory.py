@@ -13,7 +13,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from common import record, sh
+from common import prepare_docs, record, sh
 
 import lmdata
 import train
@@ -28,8 +28,7 @@ def main():
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "data"
-        sh(["python", "prepare_data.py", "--dataset", "python-docs", "--tokenizer", "bpe:8192", "--output_dir", str(data)])
+        data = prepare_docs(tmp)
         for ckpt in (False, True):
             out = Path(tmp) / f"run-{ckpt}"
             sh(["python", "train.py", "--data_dir", str(data), "--model_config", args.model_config, "--output_dir", str(out),

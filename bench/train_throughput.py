@@ -10,7 +10,6 @@ the peak of a 2048 x 2048 fp32 matmul timed in this process. Targets: train.py >
 """
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import record, sh
+from common import prepare_docs, record, train_py_rate
 
 import lmdata
 import train
@@ -50,15 +49,6 @@ def bare_loop(data_dir: Path, model_config: str, seq_len: int, batch: int, steps
     return batch * seq_len * len(steady) / sum(steady)
 
 
-def train_py(cmd_prefix: list[str], data_dir: Path, out: Path, model_config: str, seq_len: int, batch: int, steps: int) -> dict:
-    log_every = max(1, steps // 3)
-    sh(cmd_prefix + ["train.py", "--data_dir", str(data_dir), "--model_config", model_config, "--output_dir", str(out),
-                     "--seq_len", str(seq_len), "--micro_batch_size", str(batch), "--max_steps", str(steps),
-                     "--log_every", str(log_every), "--eval_every", "0", "--eval_tokens", "4096", "--save_every", "0"])
-    records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in l][1:]  # skip warm-up interval
-    return {"tokens_per_s": sum(r["tokens_per_s"] for r in records) / len(records), "mfu": sum(r["mfu"] for r in records) / len(records)}
-
-
 def matmul_peak(n: int = 2048, reps: int = 10) -> float:
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b
@@ -76,12 +66,11 @@ def main():
     ap.add_argument("--steps", type=int, default=30)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "data"
-        sh(["python", "prepare_data.py", "--dataset", "python-docs", "--tokenizer", "bpe:8192", "--output_dir", str(data)])
+        data = prepare_docs(tmp)
         peak = matmul_peak()
         bare = bare_loop(data, args.model_config, args.seq_len, args.batch, args.steps)
-        plain = train_py(["python"], data, Path(tmp) / "plain", args.model_config, args.seq_len, args.batch, args.steps)
-        zero3 = train_py(["accelerate", "launch", "--config_file", "accelerate_configs/zero3_cpu.yaml", "--num_processes", "1"],
+        plain = train_py_rate(["python"], data, Path(tmp) / "plain", args.model_config, args.seq_len, args.batch, args.steps)
+        zero3 = train_py_rate(["accelerate", "launch", "--config_file", "accelerate_configs/zero3_cpu.yaml", "--num_processes", "1"],
                          data, Path(tmp) / "zero3", args.model_config, args.seq_len, args.batch, args.steps)
         peak_after = matmul_peak()
     c = train.load_model_config(train.Config(model_config=args.model_config, seq_len=args.seq_len), {"vocab_size": 8192, "eos_id": 0})

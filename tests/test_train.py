@@ -6,7 +6,6 @@ the same global batch, against a run stopped and resumed, and against runs hit b
 
 import json
 import re
-import shutil
 import sys
 from pathlib import Path
 
