@@ -45,7 +45,7 @@ warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprec
 @dataclasses.dataclass
 class Config:
     data_dir: str = dataclasses.field(default="data/python-docs", metadata={"help": "directory written by prepare_data.py"})
-    model_config: str = dataclasses.field(default="tiny", metadata={"help": "preset in model_configs/ (deepseek-7b, deepseek-1.3b, small, tiny, ...), a config.json, or a model directory"})
+    model_config: str = dataclasses.field(default="tiny", metadata={"help": "preset in model_configs/ (deepseek-7b, deepseek-1.3b, small, mini, tiny), a config.json, or a model directory"})
     init_from: str = dataclasses.field(default="", metadata={"help": "Hugging Face model directory to start from (its weights); default: random init"})
     output_dir: str = dataclasses.field(default="runs/tiny", metadata={"help": "metrics, checkpoints, final model and loss curve go here"})
     seq_len: int = dataclasses.field(default=256, metadata={"help": "tokens per training sequence"})
@@ -79,7 +79,7 @@ class Config:
     attn_implementation: str = dataclasses.field(default="sdpa", metadata={"help": "attention kernel: sdpa or eager"})
 
 
-def test_fault(kind: str, rank: int, step: int) -> bool:
+def injected_fault(kind: str, rank: int, step: int) -> bool:
     """Fault injection for the crash tests, set with TRAIN_TEST_FAULT=kind:rank:step (sigterm_launcher, nan_loss,
     sigkill_in_save). Real signals and real NaNs; nothing happens unless the variable names this exact point."""
     return os.environ.get("TRAIN_TEST_FAULT", "") == f"{kind}:{rank}:{step}"
@@ -510,24 +510,29 @@ def check_resume_compatible(state: dict, current: dict, ckpt: Path) -> None:
 def save_checkpoint(accelerator, ckpt_root: Path, step: int, state: dict, keep_last: int, protect: Path | None) -> Path:
     final = ckpt_root / f"step_{step}"
     tmp = ckpt_root / f".tmp-step_{step}"
+    marker = tmp / ".rank0"
     if accelerator.is_local_main_process:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a run that died while writing this step
         tmp.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
-    if test_fault("sigkill_in_save", accelerator.process_index, step):
+    if injected_fault("sigkill_in_save", accelerator.process_index, step):
         os.kill(os.getpid(), signal.SIGKILL)
+    if accelerator.is_main_process:
+        marker.touch()
     accelerator.wait_for_everyone()
-    # On a shared filesystem the first local main renames and the others find it done; on node-local disks each
-    # node finalises its own copy.
-    if accelerator.is_local_main_process and tmp.exists():
-        state_path = tmp / "trainer_state.json"
-        state_path.write_text(json.dumps(state, indent=2) + "\n")
-        try:
-            os.replace(tmp, final) if not final.exists() else shutil.rmtree(tmp)
-        except FileNotFoundError:
-            pass
+    # Exactly one process per filesystem finalises: global rank 0, and on node-local disks (where rank 0's marker
+    # is not visible) the first process of each other machine, for its own ranks' shards. Everyone looks for the
+    # marker before rank 0 renames the directory away.
+    shares_rank0_disk = marker.exists()
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process or (accelerator.is_local_main_process and not shares_rank0_disk):
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
+        stale = ckpt_root / f".stale-step_{step}"
+        if final.exists():  # written by an earlier attempt at this step (a resume from an older checkpoint)
+            os.replace(final, stale)
+        os.replace(tmp, final)
+        shutil.rmtree(stale, ignore_errors=True)
         latest_tmp = ckpt_root / f".latest.{os.getpid()}"
         latest_tmp.write_text(final.name + "\n")
         os.replace(latest_tmp, ckpt_root / "latest")
@@ -727,7 +732,7 @@ def train(cfg: Config) -> int:
             inputs, targets = get_batch(train_tokens, sample_ids(step, micro_step, accelerator.process_index, plan), cfg.seq_len, cfg.seed, n_windows)
             with accelerator.accumulate(model):
                 loss = lm_loss(model, inputs.to(accelerator.device), targets.to(accelerator.device))
-                if test_fault("nan_loss", accelerator.process_index, step + 1):
+                if injected_fault("nan_loss", accelerator.process_index, step + 1):
                     loss = loss * float("nan")
                 try:
                     accelerator.backward(loss)
@@ -744,7 +749,7 @@ def train(cfg: Config) -> int:
             loss_sum += loss.detach()
         step += 1
         interval_steps += 1
-        if test_fault("sigterm_launcher", accelerator.process_index, step):
+        if injected_fault("sigterm_launcher", accelerator.process_index, step):
             os.kill(os.getppid(), signal.SIGTERM)
         # One collective per step carries the loss and whether any process was asked to stop.
         reduced = accelerator.reduce(torch.stack([loss_sum / accum, torch.tensor(float(bool(stop_signal)), device=accelerator.device)]), "sum")
