@@ -169,7 +169,9 @@ def load_tokenizer(spec: str, train_docs):
     trainer = trainers.BpeTrainer(
         vocab_size=vocab, special_tokens=[BPE_EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=True
     )
-    texts = (t for part in train_docs for t in (part if isinstance(part, list) else part["text"]))
+    # Hub corpora stay Arrow-backed: stream their text in batches instead of materialising a 40 GB column.
+    texts = (t for part in train_docs for t in (part if isinstance(part, list) else
+                                                 (x for batch in part.iter(batch_size=1000) for x in batch["text"])))
     bpe.train_from_iterator(texts, trainer=trainer, length=sum(len(p) for p in train_docs))
     return PreTrainedTokenizerFast(
         tokenizer_object=bpe, eos_token=BPE_EOS, bos_token=BPE_EOS, clean_up_tokenization_spaces=False, model_max_length=1 << 30

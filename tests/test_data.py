@@ -203,3 +203,13 @@ def test_bad_input_fails_cleanly(tmp_path, case):
     assert "Traceback" not in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no output dir, no partial dir
     assert time.perf_counter() - t0 < 60
+
+
+def test_bpe_trains_from_lists_and_arrow_datasets():
+    import datasets
+
+    arrow = datasets.Dataset.from_dict({"text": ["hello world " * 50, "another document " * 40] * 10})
+    tok = prepare_data.load_tokenizer("bpe:300", [arrow, ["a plain list document"]])
+    assert tok.eos_token == prepare_data.BPE_EOS and tok.bos_token_id == tok.eos_token_id
+    text = "hello world, another document!\n  spaced"
+    assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text  # byte-level: exact round trip
