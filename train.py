@@ -333,7 +333,7 @@ def plan_report(cfg: Config, model_config, setup: dict, gpu_memory_gib: float, p
                        setup["grad_accum"], 2 if setup["precision"] != "fp32" else 4, cfg.interconnect_gb_s * 1e9)
     where = "device" if setup["gpu"] else "process"
     lines = [
-        f"plan: {counts['total'] / 1e9:.3f}B parameters ({counts['non_embedding'] / 1e9:.3f}B non-embedding, largest tensor {counts['largest_tensor'] / 1e6:.1f}M), "
+        f"plan: {counts['total'] / 1e6:,.1f}M parameters ({counts['non_embedding'] / 1e6:,.1f}M non-embedding, largest tensor {counts['largest_tensor'] / 1e6:.1f}M), "
         f"{flops_tok / 1e9:.2f} GFLOP/token, vocab {model_config.vocab_size}; {world} processes on {nodes} machine(s), {setup['precision']}, "
         f"offload optimizer={setup['offload_optimizer']} parameters={setup['offload_params']}",
         f"  per {where}: parameters {mem['gpu']['parameters'] / gib:.2f} GiB + gradients {mem['gpu']['gradients'] / gib:.2f} + optimizer states "
@@ -343,7 +343,7 @@ def plan_report(cfg: Config, model_config, setup: dict, gpu_memory_gib: float, p
         f"  DeepSpeed's ZeRO-3 estimator: {ds_gpu / gib:.2f} GiB model states per {where}, {ds_host / gib:.1f} GiB host RAM per machine "
         f"(ours: {mem['host_per_process'] * world / nodes / gib:.1f} GiB offloaded per machine)",
         f"  step: {plan['tokens_per_step']:,} tokens, {t['step_s']:.2f} s ({t['compute_s']:.2f} s compute at {cfg.assumed_mfu:.0%} MFU of "
-        f"{peak_flops_per_device / 1e12:.0f} TFLOP/s + {t['comm_s']:.2f} s ZeRO-3 traffic at {cfg.interconnect_gb_s:g} GB/s) = "
+        f"{peak_flops_per_device / 1e12:.3g} TFLOP/s + {t['comm_s']:.2f} s ZeRO-3 traffic at {cfg.interconnect_gb_s:g} GB/s) = "
         f"{t['tokens_per_s']:,.0f} tokens/s" + (f"; {steps} steps = {steps * t['step_s'] / 3600:.1f} h" if steps else ""),
     ]
     if setup["gpu"]:
