@@ -235,13 +235,11 @@ def load_model_config(cfg: Config, meta: dict):
     path = resolve_model_config(cfg.init_from or cfg.model_config)
     d = json.loads(path.read_text())
     model_config = AutoConfig.for_model(d.pop("model_type", "llama"), **d)
-    if meta is None:  # planning without data: the preset's own vocabulary
-        pass
-    elif cfg.init_from:
-        if model_config.vocab_size < meta["vocab_size"]:
+    if cfg.init_from:
+        if meta is not None and model_config.vocab_size < meta["vocab_size"]:
             raise StartupError(f"--init_from {cfg.init_from} has vocab_size {model_config.vocab_size} < the data's {meta['vocab_size']}; "
                                f"prepare the data with that model's tokenizer")
-    else:
+    elif meta is not None:  # without data (planning) the preset keeps its own vocabulary
         model_config.vocab_size = round_up(meta["vocab_size"], 64)
         model_config.bos_token_id = model_config.eos_token_id = meta["eos_id"]
         model_config.pad_token_id = None
@@ -361,7 +359,7 @@ def run_plan(cfg: Config) -> int:
     try:
         setup = read_accelerate_config(cfg.accelerate_config or "accelerate_configs/zero3_cpu.yaml")
         meta = lmdata.read_meta(cfg.data_dir) if (Path(cfg.data_dir) / "meta.json").is_file() else None
-        model_config = load_model_config(cfg, meta) if meta else load_model_config(cfg, None)
+        model_config = load_model_config(cfg, meta)
     except (OSError, KeyError, StartupError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

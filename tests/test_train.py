@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY, launch, metrics, run, train_records
+from conftest import REPO, TINY, launch, metrics, run, train_records
 
 STEPS = ["--max_steps", "10"]
 
@@ -158,7 +158,7 @@ def startup_cases(docs_data, tmp_path):
     foreign.mkdir()
     small_vocab = tmp_path / "small_vocab_model"
     small_vocab.mkdir()
-    cfg = json.loads((Path("model_configs") if Path("model_configs").exists() else Path(__file__).parents[1] / "model_configs").joinpath("tiny.json").read_text())
+    cfg = json.loads((REPO / "model_configs" / "tiny.json").read_text())
     (small_vocab / "config.json").write_text(json.dumps({**cfg, "vocab_size": 100}))
     busy = tmp_path / "busy"
     busy.mkdir()
