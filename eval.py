@@ -115,8 +115,9 @@ def load_model(cfg: Config, device: torch.device):
     path = Path(cfg.model).expanduser()
     if path.exists() and not (path / "config.json").is_file():
         raise DataError(f"--model {cfg.model} is not a model directory (no config.json); pass e.g. OUT/final from train.py")
-    if not path.exists() and lmdata.hub_unreachable_reason():
-        raise DataError(f"--model {cfg.model} is not a local directory and {lmdata.hub_unreachable_reason()}")
+    offline = None if path.exists() else lmdata.hub_unreachable_reason()
+    if offline:
+        raise DataError(f"--model {cfg.model} is not a local directory and {offline}")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.dtype)
     if cfg.dtype == "auto":
         dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32

@@ -256,12 +256,13 @@ def load_hub_preset(spec: str) -> dict[str, list[str] | object]:
     return out
 
 
-def load_source(spec: str, text_field: str = "text", text_blocks: bool = False) -> tuple[dict, dict]:
-    """Documents per split of one --dataset value, and a record of the source for meta.json.
+def load_source(spec: str, text_field: str = "text", text_blocks: bool = False, identity: dict | None = None) -> tuple[dict, dict]:
+    """Documents per split of one --dataset value, and a record of the source for meta.json (starting from
+    `identity`, the source_identity of the spec, when the caller has already computed it).
 
     Splits are lists of strings, or (large Hub corpora) `datasets.Dataset`s with a `text` column.
     """
-    record = source_identity(spec)
+    record = dict(identity) if identity is not None else source_identity(spec)
     replaced = 0
     if spec == "python-docs":
         by_split: dict = {"train": python_docs_corpus()}

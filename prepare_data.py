@@ -111,12 +111,12 @@ def validate(cfg: Config) -> None:
             lmdata.resolve_local_files(spec)
 
 
-def load_corpus(cfg: Config) -> tuple[dict, list[dict]]:
+def load_corpus(cfg: Config, identities: list[dict]) -> tuple[dict, list[dict]]:
     """Documents per split over all sources (each source's own splits, or a held-out slice of its training split)."""
     splits: dict[str, list] = {}
     records = []
-    for spec in cfg.dataset:
-        by_split, record = lmdata.load_source(spec, cfg.text_field)
+    for spec, identity in zip(cfg.dataset, identities):
+        by_split, record = lmdata.load_source(spec, cfg.text_field, identity=identity)
         by_split = {name: [d for d in docs if d.strip()] if isinstance(docs, list) else docs for name, docs in by_split.items()}
         if not by_split.get("train"):
             raise DataError(f"--dataset {spec!r} has no training documents (empty corpus); point it at text")
@@ -234,7 +234,7 @@ def prepare(cfg: Config, argv: list[str]) -> Path:
             raise DataError(f"{out_dir} exists and is not a prepared data directory; choose another --output_dir")
 
     t0 = time.perf_counter()
-    splits, records = load_corpus(cfg)
+    splits, records = load_corpus(cfg, sources)
     print(f"loaded {', '.join(f'{name}: {sum(len(p) for p in parts)} documents' for name, parts in splits.items())} "
           f"from {len(records)} source(s) in {time.perf_counter() - t0:.1f}s")
 
