@@ -1,10 +1,15 @@
-"""Corpus perplexity of any causal LM, as lm-evaluation-harness defines it for `wikitext`.
+"""Corpus perplexity of any causal LM; on WikiText, the numbers of lm-evaluation-harness's `wikitext` task.
 
     python eval.py --model runs/tiny/final --dataset path/to/wikitext-2 --split test     # local wiki.test.raw
     python eval.py --model runs/tiny/final --dataset data/python-docs --split validation # a prepare_data.py directory
     python eval.py --model gpt2 --dataset wikitext-2 --max_length 1024 --stride 512      # online, Hub data and model
-    accelerate launch --num_processes 3 eval.py --model runs/1.3b/final                  # documents split over GPUs
+    ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 eval.py --model runs/tiny/final     # documents split over 2 CPU processes
+    accelerate launch --num_processes 3 eval.py --model runs/1.3b/final                  # documents split over 3 GPUs
 
+WikiText (the Hub presets, local wiki.*.raw files) is scored as the harness scores it: the pages of
+EleutherAI/wikitext_document_level (a local file is split into exactly those pages), each page passed through the
+harness's own wikitext_detokenizer, words and bytes counted on the page before detokenizing (--raw_text scores the
+pages as they are). Other text is scored as it is.
 Each document is scored on its own: its tokens in windows of --max_length, every token exactly once, the first one
 conditioned on the BOS (or EOS) token; --stride below --max_length gives each window extra, unscored left context.
 Reported: total NLL (nats), token perplexity exp(NLL / tokens), word perplexity exp(NLL / words), byte perplexity
@@ -44,6 +49,12 @@ class Config:
     dtype: str = dataclasses.field(default="auto", metadata={"help": "float32 | bfloat16 | float16 | auto (bf16 on GPUs that have it, else fp32)"})
     device: str = dataclasses.field(default="", metadata={"help": "cuda | cpu (default: CUDA when present); under accelerate launch, the process's device"})
     output_json: str = dataclasses.field(default="", metadata={"help": "write the report here as JSON"})
+    raw_text: bool = dataclasses.field(default=False, metadata={"help": "score WikiText pages as they are, not through lm-evaluation-harness's wikitext_detokenizer"})
+
+
+# lm-evaluation-harness's `wikitext` task: its dataset (one row per page) and the text transform it scores.
+HARNESS_WIKITEXT = "EleutherAI/wikitext_document_level"
+HARNESS_TRANSFORM = "lm-eval wikitext_detokenizer"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -88,25 +99,84 @@ def word_count(doc: str) -> int:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def load_documents(cfg: Config) -> list[str]:
+def harness_detokenizer():
+    """lm-evaluation-harness's own `wikitext_detokenizer`, imported rather than rewritten so the text scored is the
+    harness's by construction."""
+    try:
+        from lm_eval.tasks.wikitext.preprocess_wikitext import wikitext_detokenizer
+    except ImportError:
+        raise DataError("scoring WikiText as lm-evaluation-harness does needs its detokenizer: pip install lm-eval==0.4.13 "
+                        "(requirements.txt has it), or pass --raw_text to score the raw pages") from None
+    return lambda page: wikitext_detokenizer({"page": page})
+
+
+def hub_wikitext_pages(cfg: Config) -> list[str]:
+    """The pages of the harness's own WikiText dataset, for --dataset wikitext-2 / wikitext-103."""
+    offline = lmdata.hub_unreachable_reason()
+    if offline:
+        raise DataError(f"--dataset {cfg.dataset}: {offline}; pass a local copy instead (a directory with wiki.test.raw, "
+                        f"or the file itself): its pages are split exactly as the Hub's")
+    from datasets import load_dataset
+
+    dsd = load_dataset(HARNESS_WIKITEXT, lmdata.HUB_PRESETS[cfg.dataset][1])
+    if cfg.split not in dsd:
+        raise DataError(f"--dataset {cfg.dataset} has no '{cfg.split}' split (it has {sorted(dsd)}); pick one with --split")
+    return list(dsd[cfg.split]["page"])
+
+
+def local_documents(cfg: Config) -> tuple[list[str], bool]:
+    """Documents of local files for one split, and whether they are WikiText pages: a wiki.*.raw layout, or text with
+    WikiText's ` = Title = ` lines, is split into the harness's pages; other text into blank-line-separated blocks."""
+    files, layout = lmdata.resolve_local_files(cfg.dataset)
+    if cfg.split not in files:
+        if len(files) == 1 and "train" in files and Path(cfg.dataset).expanduser().is_file():
+            files = {cfg.split: files["train"]}  # a single file is whatever split the user says it is
+        else:
+            raise DataError(f"--dataset {cfg.dataset} has no '{cfg.split}' split (it has {sorted(files)}); pick one with --split")
+    docs, wikitext = [], False
+    for path in files[cfg.split]:
+        if path.suffix not in lmdata.TEXT_SUFFIXES:
+            docs.extend(lmdata.file_documents(path, cfg.text_field, text_blocks=True)[0])
+            continue
+        text, _ = lmdata.read_text(path)
+        if lmdata.is_wikitext(text):
+            docs.extend(lmdata.harness_wikitext_pages(text))
+            wikitext = True
+        elif layout == "wikitext" or lmdata.is_wikitext_file(path):
+            raise DataError(f"{path} is named like a WikiText file but has no article title line (' = Title = '); "
+                            f"it would be scored as one giant page: check the file, or rename it to score it as plain text")
+        else:
+            docs.extend(lmdata.split_blank_line_blocks(text))
+    return docs, wikitext
+
+
+def load_documents(cfg: Config) -> tuple[list[str], list[str], str]:
+    """(documents as stored, the texts scored, the transform between them). WikiText is scored as
+    lm-evaluation-harness scores it: its pages through its detokenizer (--raw_text: the pages as they are)."""
     path = Path(cfg.dataset).expanduser()
+    wikitext = False
     if (path / "meta.json").is_file():  # a prepare_data.py directory keeps its held-out text as .jsonl
         held = path / f"{cfg.split}.jsonl"
         if not held.is_file():
             raise DataError(f"{cfg.dataset} has no {cfg.split}.jsonl (prepare_data.py keeps the text of validation and test splits)")
         docs, _ = lmdata.jsonl_documents(held, "text")
-    else:
+    elif cfg.dataset in ("wikitext-2", "wikitext-103"):
+        docs, wikitext = hub_wikitext_pages(cfg), True
+    elif cfg.dataset in lmdata.HUB_PRESETS or cfg.dataset in lmdata.BUILTIN_SOURCES:
         by_split, _ = lmdata.load_source(cfg.dataset, cfg.text_field, text_blocks=True)
         if cfg.split not in by_split:
-            if len(by_split) == 1 and "train" in by_split and path.is_file():
-                by_split = {cfg.split: by_split["train"]}  # a single file is whatever split the user says it is
-            else:
-                raise DataError(f"--dataset {cfg.dataset} has no '{cfg.split}' split (it has {sorted(by_split)}); pick one with --split")
-        docs = [d for d in by_split[cfg.split] if d.strip()] if isinstance(by_split[cfg.split], list) else by_split[cfg.split]["text"]
+            raise DataError(f"--dataset {cfg.dataset} has no '{cfg.split}' split (it has {sorted(by_split)}); pick one with --split")
+        docs = by_split[cfg.split] if isinstance(by_split[cfg.split], list) else by_split[cfg.split]["text"]
+    else:
+        docs, wikitext = local_documents(cfg)
+    docs = [d for d in docs if d.strip()]
     docs = docs[: cfg.max_documents] if cfg.max_documents else docs
     if not docs:
         raise DataError(f"--dataset {cfg.dataset} --split {cfg.split} holds no documents; point it at text")
-    return list(docs)
+    if wikitext and not cfg.raw_text:
+        detokenize = harness_detokenizer()
+        return docs, [detokenize(d) for d in docs], HARNESS_TRANSFORM
+    return docs, docs, "none"
 
 
 def load_model(cfg: Config, device: torch.device):
@@ -172,9 +242,10 @@ def score_windows(model, windows: list, batch_size: int, device: torch.device, p
 def evaluate(cfg: Config) -> dict:
     from accelerate import PartialState
 
-    state = PartialState()
+    # On CPUs the process group must be asked for (cpu=True): without it torchrun's processes each score everything.
+    state = PartialState(cpu=cfg.device == "cpu" or not torch.cuda.is_available())
     device = torch.device(cfg.device) if cfg.device else state.device
-    docs = load_documents(cfg)
+    docs, texts, transform = load_documents(cfg)
     model, tokenizer, prefix = load_model(cfg, device)
     context = model.config.max_position_embeddings
     max_length = cfg.max_length or context
@@ -187,8 +258,8 @@ def evaluate(cfg: Config) -> dict:
         raise DataError(f"--batch_size {cfg.batch_size} must be at least 1")
 
     t0 = time.perf_counter()
-    with state.split_between_processes(docs) as my_docs:
-        windows = make_windows(my_docs, tokenizer, prefix, max_length, stride)
+    with state.split_between_processes(texts) as my_texts:
+        windows = make_windows(my_texts, tokenizer, prefix, max_length, stride)
         nll, n_tokens = score_windows(model, windows, cfg.batch_size, device, prefix, progress=state.is_main_process)
     if state.num_processes > 1:
         totals = torch.stack([nll, n_tokens]).to(state.device)
@@ -197,8 +268,9 @@ def evaluate(cfg: Config) -> dict:
     seconds = time.perf_counter() - t0
     report = perplexity_report(float(nll), int(n_tokens), sum(word_count(d) for d in docs),
                                sum(len(d.encode("utf-8")) for d in docs), len(docs))
-    report.update(model=cfg.model, dataset=cfg.dataset, split=cfg.split, max_length=max_length, stride=stride,
-                  dtype=str(model.dtype).replace("torch.", ""), seconds=seconds, tokens_per_s=report["tokens"] / seconds)
+    report.update(model=cfg.model, dataset=cfg.dataset, split=cfg.split, text_transform=transform, max_length=max_length, stride=stride,
+                  dtype=str(model.dtype).replace("torch.", ""), processes=state.num_processes, seconds=seconds,
+                  tokens_per_s=report["tokens"] / seconds)
     return report
 
 
@@ -217,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not PartialState().is_main_process:
         return 0
-    print(f"{cfg.model} on {cfg.dataset} [{cfg.split}], max_length {report['max_length']}, stride {report['stride']}, {report['dtype']}")
+    print(f"{cfg.model} on {cfg.dataset} [{cfg.split}], text transform: {report['text_transform']}, max_length {report['max_length']}, "
+          f"stride {report['stride']}, {report['dtype']}, {report['processes']} process{'es' if report['processes'] > 1 else ''}")
     for key in ("documents", "tokens", "words", "bytes"):
         print(f"  {key:<17}{report[key]:>14,}")
     for key in ("nll", "token_perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte"):

@@ -71,6 +71,63 @@ def split_wikitext_articles(text: str) -> list[str]:
     return docs
 
 
+def harness_wikitext_pages(text: str) -> list[str]:
+    """WikiText pages as lm-evaluation-harness scores them (the `EleutherAI/wikitext_document_level` dataset): the file
+    split on "\n", a new page at every top-level title line, the lines of a page joined by "\n" (so only the last
+    page keeps a final newline), whitespace-only pages dropped. A title line is one that, with " = = = " and " = = "
+    section markers closed up and the ends stripped, starts with "= " and ends with " =".
+    """
+    pages, lines = [], []
+    for line in text.split("\n"):
+        marker = line.replace("= = =", "===").replace("= =", "==").strip()
+        if marker.startswith("= ") and marker.endswith(" =") and lines:
+            pages.append("\n".join(lines))
+            lines = []
+        lines.append(line)
+    pages.append("\n".join(lines))
+    return [p for p in pages if p.strip()]
+
+
+HARNESS_TASK_YAML = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {pages}
+output_type: loglikelihood_rolling
+test_split: test
+doc_to_text: ""
+doc_to_target: !function harness_wikitext.wikitext_detokenizer
+process_results: !function harness_wikitext.process_results
+metric_list:
+  - metric: word_perplexity
+  - metric: byte_perplexity
+  - metric: bits_per_byte
+"""
+
+
+def write_harness_wikitext_task(pages: list[str], directory: Path, name: str = "wikitext_local") -> str:
+    """lm-evaluation-harness's `wikitext` task on local pages (its Hub dataset out of reach): the same output type,
+    metrics, detokenizer and process_results, imported from the harness, with the pages from a JSONL. Run it with
+    `lm_eval --tasks NAME --include_path DIRECTORY ...`. Returns NAME."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "pages.jsonl").write_text("".join(json.dumps({"page": p}) + "\n" for p in pages))
+    (directory / f"{name}.yaml").write_text(HARNESS_TASK_YAML.format(name=name, pages=(directory / "pages.jsonl").resolve()))
+    (directory / "harness_wikitext.py").write_text(
+        "from lm_eval.tasks.wikitext.preprocess_wikitext import process_results, wikitext_detokenizer  # noqa: F401\n")
+    return name
+
+
+def wikitext_text_from_rows(rows) -> str:
+    """The raw WikiText file from the Hub's rows (`Salesforce/wikitext`): one row a line, blank lines (a single space
+    in the file) stored as empty strings. Gives back the raw file byte for byte, whether rows keep their newline or not."""
+    return "".join((r if r.endswith("\n") else r + "\n") if r.strip() else " \n" for r in rows)
+
+
+def is_wikitext_file(path: Path) -> bool:
+    """A file named like WikiText's own (wiki.train.raw, wiki.test.tokens, ...)."""
+    return re.fullmatch(r"wiki\.(train|valid|test)\.(raw|tokens|txt)", path.name) is not None
+
+
 def is_wikitext(text: str) -> bool:
     return any(_WIKITEXT_TITLE.match(line) for line in text[:200_000].splitlines())
 
@@ -246,13 +303,18 @@ def load_hub_preset(spec: str) -> dict[str, list[str] | object]:
         )
     from datasets import load_dataset
 
-    name, config, wikitext_lines = HUB_PRESETS[spec]
-    dsd = load_dataset(name, config)
+    name, config, _ = HUB_PRESETS[spec]
+    return hub_documents(spec, load_dataset(name, config))
+
+
+def hub_documents(spec: str, dsd) -> dict[str, list[str] | object]:
+    """Documents per split of a Hub preset's DatasetDict: WikiText rows (lines) rejoined into the raw file and split
+    into articles exactly as a local copy of the file is; other corpora keep their Arrow-backed `text` column."""
+    wikitext_lines = HUB_PRESETS[spec][2]
     out: dict[str, object] = {}
     for split, ds in dsd.items():
         split = {"valid": "validation"}.get(split, split)
-        # WikiText rows are lines (with their newline); join and re-split into whole articles.
-        out[split] = split_wikitext_articles("".join(ds["text"])) if wikitext_lines else ds.select_columns(["text"])
+        out[split] = split_wikitext_articles(wikitext_text_from_rows(ds["text"])) if wikitext_lines else ds.select_columns(["text"])
     return out
 
 

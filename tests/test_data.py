@@ -149,6 +149,26 @@ def test_wikitext2_round_trip_and_counts(tmp_path):
         assert meta["splits"][split]["documents"] == len(docs)
 
 
+@needs_wikitext
+def test_hub_wikitext_rows_give_the_documents_of_the_local_file(tmp_path):
+    """Salesforce/wikitext stores a row per line with blank lines as empty strings: a Parquet fixture in that layout
+    goes through the same code as a Hub download and must give the local raw file's documents byte for byte."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    raw = (WIKITEXT2 / "wiki.test.raw").read_text(encoding="utf-8")
+    rows = [line + "\n" if line.strip() else "" for line in raw.split("\n")[:-1]]
+    assert len(rows) == 4358  # the Hub's row count for this split
+    shard = tmp_path / "wikitext-2-raw-v1" / "test-00000-of-00001.parquet"
+    shard.parent.mkdir()
+    pq.write_table(pa.table({"text": rows}), shard)
+    dsd = datasets.load_dataset("parquet", data_files={"test": str(shard)}, cache_dir=str(tmp_path / "cache"))
+    hub = lmdata.hub_documents("wikitext-2", dsd)["test"]
+    local, _ = lmdata.load_source(str(WIKITEXT2 / "wiki.test.raw"))
+    assert hub == local["train"] and len(hub) == 62
+
+
 def test_several_sources_jsonl_parquet_and_replaced_bytes(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

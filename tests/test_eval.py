@@ -110,18 +110,43 @@ def test_wikitext_test_split_end_to_end(trained, tmp_path):
     proc = run(EVAL + ["--model", str(trained / "final"), "--dataset", str(WIKITEXT2 / "wiki.test.raw"),
                        "--batch_size", "16", "--output_json", str(out)])
     report = json.loads(out.read_text())
-    assert report["documents"] == 62 and report["bytes"] == len((WIKITEXT2 / "wiki.test.raw").read_bytes()) - 2
+    # The harness's pages: the file less its leading blank line and each page's final newline but the last one's.
+    assert report["documents"] == 62 and report["bytes"] == len((WIKITEXT2 / "wiki.test.raw").read_bytes()) - 2 - 61
+    assert report["text_transform"] == ev.HARNESS_TRANSFORM and "text transform: lm-eval wikitext_detokenizer" in proc.stdout
     assert 1 < report["token_perplexity"] < 512  # a trained model beats uniform over its 512-token vocabulary
-    assert "word_perplexity" in proc.stdout
+    raw = ev.evaluate(ev.Config(model=str(trained / "final"), dataset=str(WIKITEXT2), split="test", batch_size=16, raw_text=True))
+    assert raw["text_transform"] == "none" and (raw["words"], raw["bytes"]) == (report["words"], report["bytes"])
+    assert raw["tokens"] != report["tokens"]  # the detokenized text is another token stream
+
+
+def test_wikitext_errors_name_the_file_and_the_splits(small_model, tmp_path):
+    wiki = tmp_path / "wiki"
+    wiki.mkdir()
+    (wiki / "wiki.test.raw").write_text(" \n Just a paragraph with no title line . \n")
+    cases = [
+        (["--dataset", str(wiki / "wiki.test.raw")], f"{wiki / 'wiki.test.raw'} is named like a WikiText file but has no article title"),
+        (["--dataset", str(wiki), "--split", "validation"], "has no 'validation' split (it has ['test'])"),
+    ]
+    for args, message in cases:
+        proc = run(EVAL + ["--model", str(small_model), *args], check=False)
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_documents_split_over_processes_give_the_same_nll(trained, docs_data, tmp_path):
-    from conftest import ACCELERATE, free_port
+    """Two real processes (torchrun; `accelerate launch --cpu` would start one), each scoring half the documents."""
+    from pathlib import Path
 
+    from conftest import free_port
+
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
     args = ["eval.py", "--model", str(trained / "final"), "--dataset", str(docs_data), "--split", "validation", "--max_length", "64"]
     one, two = tmp_path / "one.json", tmp_path / "two.json"
     run([sys.executable, *args, "--output_json", str(one)])
-    run([ACCELERATE, "launch", "--cpu", "--num_processes", "2", "--main_process_port", str(free_port()), *args, "--output_json", str(two)])
+    proc = run([torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), *args, "--output_json", str(two)],
+               env={"ACCELERATE_USE_CPU": "1"})
+    assert ", 2 processes" in proc.stdout
     a, b = json.loads(one.read_text()), json.loads(two.read_text())
+    assert (a["processes"], b["processes"]) == (1, 2)
     assert a["tokens"] == b["tokens"] and a["documents"] == b["documents"]
-    assert b["nll"] == pytest.approx(a["nll"], rel=1e-9)
+    # Each process batches its own windows, so padding and batch shapes differ: fp32 sums agree to ~1e-9, not bitwise.
+    assert b["nll"] == pytest.approx(a["nll"], rel=1e-7)
