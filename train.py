@@ -36,8 +36,10 @@ import lmdata
 from lmdata import DataError
 
 MODEL_CONFIG_DIR = Path(__file__).resolve().parent / "model_configs"
-# Dense fp16/bf16 tensor-core peak with fp32 accumulate, FLOP/s, by substring of the CUDA device name.
-GPU_PEAK_FLOPS = {"RTX 4090": 165.2e12, "H100": 989e12, "H200": 989e12, "A100": 312e12, "RTX 3090": 71e12, "L40S": 362e12}
+# Dense fp16/bf16 tensor-core peak with fp32 accumulate, FLOP/s, by substring of the CUDA device name; the longest
+# matching name wins, so "H100 PCIe" is not read as the SXM card. fp32 runs are measured against a timed matmul.
+GPU_PEAK_FLOPS = {"RTX 4090": 165.2e12, "H100": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H200": 989e12,
+                  "A100": 312e12, "RTX 3090": 71e12, "L40S": 362e12}
 # DeepSpeed calls collectives that torch renamed; the warning repeats every step and says nothing to a user.
 warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 
@@ -79,6 +81,14 @@ class Config:
     attn_implementation: str = dataclasses.field(default="sdpa", metadata={"help": "attention kernel: sdpa or eager"})
 
 
+# Settings that change what a run reports or where it reads and writes, not what it trains: free to change on resume.
+RESUME_CHANGEABLE = {"data_dir", "log_every", "eval_every", "eval_tokens", "save_every", "keep_last", "accelerate_config",
+                     "assumed_mfu", "interconnect_gb_s", "gpu_memory_gib", "ignore_memory_plan", "log_with",
+                     "gradient_checkpointing", "attn_implementation"}
+# The LR schedule's length; changing it on resume needs an explicit --lr_decay_steps (schedule_on_resume).
+SCHEDULE_LENGTH = {"max_steps", "num_epochs", "lr_decay_steps"}
+
+
 def injected_fault(kind: str, rank: int, step: int) -> bool:
     """Fault injection for the crash tests, set with TRAIN_TEST_FAULT=kind:rank:step (sigterm_launcher, nan_loss,
     sigkill_in_save). Real signals and real NaNs; nothing happens unless the variable names this exact point."""
@@ -95,11 +105,13 @@ class StartupError(Exception):
 
 
 def lr_at(step: int, peak_lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warmup to the peak, then cosine to the floor."""
+    """Learning rate for optimizer step `step` (0-based) of a `total_steps` schedule: linear warmup that reaches the
+    peak on step warmup_steps - 1, then a cosine that reaches the floor on the last step, total_steps - 1."""
     if step < warmup_steps:
         return peak_lr * (step + 1) / warmup_steps
     min_lr = peak_lr * min_lr_ratio
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    top = max(warmup_steps - 1, 0)  # the step that holds the peak
+    progress = min(1.0, (step - top) / max(1, total_steps - 1 - top))
     return min_lr + 0.5 * (peak_lr - min_lr) * (1 + math.cos(math.pi * progress))
 
 
@@ -122,6 +134,14 @@ def flops_per_token(n_params_non_embedding: int, n_layers: int, hidden_size: int
 
 def mfu(tokens_per_s: float, flops_per_tok: float, peak_flops: float) -> float:
     return tokens_per_s * flops_per_tok / peak_flops
+
+
+def gpu_peak_flops(device_name: str, precision: str) -> float | None:
+    """Datasheet 16-bit peak of a known GPU for fp16/bf16 runs; None (time a matmul instead) for fp32 or unknown cards."""
+    if precision not in ("fp16", "bf16"):
+        return None
+    matches = [key for key in GPU_PEAK_FLOPS if key in device_name]
+    return GPU_PEAK_FLOPS[max(matches, key=len)] if matches else None
 
 
 def round_up(x: int, multiple: int) -> int:
@@ -249,7 +269,79 @@ def load_model_config(cfg: Config, meta: dict):
     return model_config
 
 
-def validate(cfg: Config, resuming: bool) -> dict:
+def check_output_dir(cfg: Config) -> None:
+    """--output_dir and --resume, checked before a checkpoint's settings are read from them."""
+    out = Path(cfg.output_dir)
+    if out.exists() and any(out.iterdir()):
+        if not cfg.resume:
+            raise StartupError(f"--output_dir {cfg.output_dir} is not empty; pass --resume auto to continue that run or choose an empty directory")
+        if not written_by_train_py(out):
+            raise StartupError(f"--output_dir {cfg.output_dir} holds files but no train.py run (no checkpoints/, no config.json of train.py); "
+                               f"--resume continues only a train.py run: choose an empty or new directory")
+    probe = out if out.exists() else next(p for p in out.absolute().parents if p.exists())
+    if not probe.is_dir() or not os.access(probe, os.W_OK):
+        raise StartupError(f"--output_dir {cfg.output_dir}: {probe} is not a writable directory; choose a directory you can write to")
+    if cfg.resume not in ("", "auto") and not (Path(cfg.resume) / "trainer_state.json").is_file():
+        raise StartupError(f"--resume {cfg.resume} is not a complete checkpoint (no trainer_state.json); use --resume auto or a checkpoints/step_N directory")
+
+
+def written_by_train_py(out: Path) -> bool:
+    """Whether OUT is a train.py output directory, the only kind whose final/ and config.json train.py replaces."""
+    try:
+        return (out / "checkpoints").is_dir() or json.loads((out / "config.json").read_text()).get("written_by") == "train.py"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def given_fields(argv: list[str]) -> set[str]:
+    """The Config fields the command line sets (argparse abbreviations included), as opposed to leaves at default."""
+    import argparse
+
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(Config)
+    for action in parser._actions:  # set_defaults would not do: argparse type-converts string defaults
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_known_args(argv)[0]))
+
+
+def config_for_resume(cfg: Config, given: set[str], saved: dict) -> tuple[Config, dict]:
+    """The settings of a resumed run: the checkpoint's for every field the command does not give. A command that
+    changes a training setting is refused; the schedule's length is checked by schedule_on_resume once known.
+    Returns (the run's Config, the settings taken from the checkpoint that differ from this command's)."""
+    taken = {}
+    for f in dataclasses.fields(Config):
+        if f.name not in saved or f.name in ("output_dir", "resume", "plan"):
+            continue
+        if f.name not in given:
+            if saved[f.name] != getattr(cfg, f.name):
+                taken[f.name] = saved[f.name]
+        elif getattr(cfg, f.name) != saved[f.name] and f.name not in RESUME_CHANGEABLE | SCHEDULE_LENGTH:
+            raise StartupError(f"cannot resume: the run was trained with --{f.name} {saved[f.name]}, this command gives "
+                               f"--{f.name} {getattr(cfg, f.name)}; drop --{f.name} to keep the run's setting, or start a new "
+                               f"--output_dir with --init_from OUT/final (weights only, fresh optimizer and schedule)")
+    return dataclasses.replace(cfg, **taken), taken
+
+
+def schedule_on_resume(cfg: Config, given: set[str], total_steps: int, state: dict) -> str | None:
+    """A resumed run keeps its LR schedule unless the command re-plans it with --lr_decay_steps. Returns a line saying
+    how the LR at the resume step changes when it does; raises when --max_steps or --num_epochs alone would stretch it."""
+    saved = state.get("config", {})
+    old_len = saved.get("lr_decay_steps") or state["total_steps"]
+    new_len = cfg.lr_decay_steps or total_steps
+    if new_len == old_len:
+        return None
+    step = state["step"]
+    old_lr = lr_at(step, cfg.lr, cfg.warmup_steps, old_len, cfg.min_lr_ratio)
+    new_lr = lr_at(step, cfg.lr, cfg.warmup_steps, new_len, cfg.min_lr_ratio)
+    if "lr_decay_steps" not in given:
+        raise StartupError(f"cannot resume: this command makes the LR schedule {new_len} steps long, the run's is {old_len} "
+                           f"(the LR at step {step} would jump from {old_lr:.3g} to {new_lr:.3g}); give --lr_decay_steps {new_len} "
+                           f"to re-plan the schedule, or --lr_decay_steps {old_len} to keep it and train on at its floor")
+    return f"re-planned LR schedule: {old_len} -> {new_len} steps; the LR at step {step} goes from {old_lr:.3g} to {new_lr:.3g}"
+
+
+def validate(cfg: Config) -> dict:
     """Check everything a user can get wrong before anything is built or written. Returns the data's meta.json."""
     for name in ("seq_len", "micro_batch_size", "log_every", "keep_last"):
         if getattr(cfg, name) < 1:
@@ -279,14 +371,9 @@ def validate(cfg: Config, resuming: bool) -> dict:
         raise StartupError(str(e)) from None
     if not (data_dir / "tokenizer").is_dir():
         raise StartupError(f"{cfg.data_dir} has no tokenizer/ directory; rebuild it with prepare_data.py --overwrite")
-    out = Path(cfg.output_dir)
-    if out.exists() and any(out.iterdir()) and not resuming:
-        raise StartupError(f"--output_dir {cfg.output_dir} is not empty; pass --resume auto to continue that run or choose an empty directory")
-    probe = out if out.exists() else next(p for p in out.absolute().parents if p.exists())
-    if not probe.is_dir() or not os.access(probe, os.W_OK):
-        raise StartupError(f"--output_dir {cfg.output_dir}: {probe} is not a writable directory; choose a directory you can write to")
-    if cfg.resume not in ("", "auto") and not (Path(cfg.resume) / "trainer_state.json").is_file():
-        raise StartupError(f"--resume {cfg.resume} is not a complete checkpoint (no trainer_state.json); use --resume auto or a checkpoints/step_N directory")
+    if 0 < cfg.eval_tokens < cfg.seq_len:
+        raise StartupError(f"--eval_tokens {cfg.eval_tokens} is less than one validation window of --seq_len {cfg.seq_len} tokens; "
+                           f"raise it, or 0 for the whole validation split")
     return meta
 
 
@@ -306,7 +393,7 @@ def read_accelerate_config(path: str) -> dict:
     return {
         "world_size": int(y.get("num_processes", 1)), "nodes": int(y.get("num_machines", 1)),
         "precision": {"no": "fp32"}.get(precision, precision),
-        "grad_accum": int(js.get("gradient_accumulation_steps", ds.get("gradient_accumulation_steps", 1))),
+        "grad_accum": int(str(js.get("gradient_accumulation_steps", ds.get("gradient_accumulation_steps", 1))).replace("auto", "1")),
         "offload_optimizer": (zero.get("offload_optimizer", {}).get("device") or ds.get("offload_optimizer_device", "none")) not in ("none", None),
         "offload_params": (zero.get("offload_param", {}).get("device") or ds.get("offload_param_device", "none")) not in ("none", None),
         "gpu": not y.get("use_cpu", False),
@@ -406,9 +493,10 @@ def measure_peak_flops(accelerator, dtype: torch.dtype) -> tuple[float, str]:
     process at once (on a CPU the processes share cores, so the sum is what the machine gives them together)."""
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
-        for key, flops in GPU_PEAK_FLOPS.items():
-            if key in name:
-                return flops * accelerator.num_processes, f"{name} datasheet"
+        precision = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "fp32")
+        flops = gpu_peak_flops(name, precision)
+        if flops is not None:
+            return flops * accelerator.num_processes, f"{name} datasheet, {precision}"
     n = 1024 if accelerator.device.type == "cpu" else 8192
     a = torch.randn(n, n, device=accelerator.device, dtype=dtype)
     b = torch.randn(n, n, device=accelerator.device, dtype=dtype)
@@ -422,6 +510,15 @@ def measure_peak_flops(accelerator, dtype: torch.dtype) -> tuple[float, str]:
         torch.cuda.synchronize()
     local = torch.tensor([2 * n**3 * reps / (time.perf_counter() - t0)], device=accelerator.device)
     return float(accelerator.reduce(local, "sum")), f"{n}x{n} {str(dtype).replace('torch.', '')} matmul timed on all processes"
+
+
+def fp16_loss_scale(engine, scaler) -> float | None:
+    """The current fp16 loss scale: DeepSpeed's dynamic scaler, or Accelerate's GradScaler without DeepSpeed."""
+    if engine is not None and hasattr(engine.optimizer, "loss_scale"):
+        return float(engine.optimizer.loss_scale)
+    if scaler is not None:
+        return float(scaler.get_scale())
+    return None
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -482,15 +579,87 @@ def complete_checkpoints(ckpt_root: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.split("_")[1]))
 
 
+def newest_checkpoint(ckpt_root: Path) -> Path | None:
+    """What `--resume auto` continues: the checkpoint `latest` names, else the newest complete one."""
+    latest = ckpt_root / "latest"
+    if latest.is_file():
+        named = ckpt_root / latest.read_text().strip()
+        if (named / "trainer_state.json").is_file():
+            return named
+    done = complete_checkpoints(ckpt_root)
+    return done[-1] if done else None
+
+
 def find_resume_checkpoint(cfg: Config, ckpt_root: Path, accelerator) -> Path | None:
+    """The checkpoint to resume from, the same on every rank. With node-local disks each machine sees only its own
+    copies, and a kill between two machines' renames leaves them at different steps: all take the oldest."""
     for partial in sorted(ckpt_root.glob(".tmp-step_*")) + [p for p in ckpt_root.glob("step_*") if not (p / "trainer_state.json").is_file()]:
         accelerator.print(f"warning: ignoring incomplete checkpoint {partial} (a run died while writing it)")
     if cfg.resume not in ("", "auto"):
         return Path(cfg.resume)
-    if cfg.resume == "auto":
-        done = complete_checkpoints(ckpt_root)
-        return done[-1] if done else None
-    return None
+    if cfg.resume != "auto":
+        return None
+    mine = newest_checkpoint(ckpt_root)
+    step = int(mine.name.split("_")[1]) if mine is not None else -1
+    lowest, highest = step, step
+    if accelerator.num_processes > 1:
+        steps = torch.tensor([step, -step], device=accelerator.device)
+        torch.distributed.all_reduce(steps, op=torch.distributed.ReduceOp.MIN)
+        lowest, highest = int(steps[0]), -int(steps[1])
+    if highest < 0:
+        return None
+    if lowest < 0:
+        raise StartupError(f"--resume auto: some machines have no complete checkpoint in {ckpt_root} while others reach step {highest}; "
+                           f"copy the checkpoints to every machine or start a new --output_dir")
+    if lowest != highest:
+        accelerator.print(f"warning: machines disagree on the newest checkpoint (steps {lowest} to {highest}); all resume from step {lowest}")
+    chosen = ckpt_root / f"step_{lowest}"
+    missing = torch.tensor([float(not (chosen / "trainer_state.json").is_file())], device=accelerator.device)
+    if float(accelerator.reduce(missing, "sum")) > 0:
+        raise StartupError(f"--resume auto: {chosen} is not complete on every machine; copy it there or resume from an older checkpoint")
+    return chosen
+
+
+def set_aside_newer(ckpt_root: Path, resume_from: Path) -> Path | None:
+    """An explicit --resume from an older checkpoint starts a new branch: the checkpoints after it move to
+    checkpoints/abandoned-<time>/ (kept, but out of pruning's and --resume auto's way) and `latest` names resume_from."""
+    if not ckpt_root.is_dir() or resume_from.parent.resolve() != ckpt_root.resolve():
+        return None
+    step = int(resume_from.name.split("_")[1])
+    newer = [p for p in ckpt_root.glob("step_*") if p.is_dir() and int(p.name.split("_")[1]) > step]
+    if not newer:
+        return None
+    aside = ckpt_root / time.strftime("abandoned-%Y%m%d-%H%M%S")
+    aside.mkdir(exist_ok=True)
+    for p in newer:
+        os.replace(p, aside / p.name)
+    point_latest_at(ckpt_root, resume_from)
+    return aside
+
+
+def point_latest_at(ckpt_root: Path, checkpoint: Path) -> None:
+    tmp = ckpt_root / f".latest.{os.getpid()}"
+    tmp.write_text(checkpoint.name + "\n")
+    os.replace(tmp, ckpt_root / "latest")
+
+
+def first_process_on_disk(accelerator, directory: Path) -> bool:
+    """True on exactly one process per filesystem holding `directory`: global rank 0, and on node-local disks (where
+    rank 0's marker file is invisible) the first process of each other machine. These processes finalise checkpoints."""
+    from accelerate.utils import broadcast_object_list
+
+    nonce = broadcast_object_list([os.urandom(8).hex()])[0]
+    marker = directory / f".rank0-{nonce}"
+    if accelerator.is_local_main_process:
+        directory.mkdir(parents=True, exist_ok=True)
+    if accelerator.is_main_process:
+        marker.touch()
+    accelerator.wait_for_everyone()
+    sees_rank0 = marker.exists()
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        marker.unlink()
+    return accelerator.is_main_process or (accelerator.is_local_main_process and not sees_rank0)
 
 
 def check_resume_compatible(state: dict, current: dict, ckpt: Path) -> None:
@@ -505,37 +674,30 @@ def check_resume_compatible(state: dict, current: dict, ckpt: Path) -> None:
             )
 
 
-def save_checkpoint(accelerator, ckpt_root: Path, step: int, state: dict, keep_last: int, protect: Path | None) -> Path:
+def save_checkpoint(accelerator, ckpt_root: Path, step: int, state: dict, keep_last: int, resumed_from: Path | None,
+                    finaliser: bool) -> Path:
+    """Every rank writes its shards into .tmp-step_N; once all have, the finaliser of each filesystem (see
+    first_process_on_disk) adds trainer_state.json, renames it to step_N, moves `latest` and prunes."""
     final = ckpt_root / f"step_{step}"
     tmp = ckpt_root / f".tmp-step_{step}"
-    marker = tmp / ".rank0"
-    if accelerator.is_local_main_process:
+    if finaliser:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run that died while writing this step
         tmp.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
     if injected_fault("sigkill_in_save", accelerator.process_index, step):
         os.kill(os.getpid(), signal.SIGKILL)
-    if accelerator.is_main_process:
-        marker.touch()
     accelerator.wait_for_everyone()
-    # Exactly one process per filesystem finalises: global rank 0, and on node-local disks (where rank 0's marker
-    # is not visible) the first process of each other machine, for its own ranks' shards. Everyone looks for the
-    # marker before rank 0 renames the directory away.
-    shares_rank0_disk = marker.exists()
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process or (accelerator.is_local_main_process and not shares_rank0_disk):
+    if finaliser:
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
         stale = ckpt_root / f".stale-step_{step}"
-        if final.exists():  # written by an earlier attempt at this step (a resume from an older checkpoint)
+        if final.exists():  # written by an earlier attempt at this step
             os.replace(final, stale)
         os.replace(tmp, final)
         shutil.rmtree(stale, ignore_errors=True)
-        latest_tmp = ckpt_root / f".latest.{os.getpid()}"
-        latest_tmp.write_text(final.name + "\n")
-        os.replace(latest_tmp, ckpt_root / "latest")
+        point_latest_at(ckpt_root, final)
         for old in complete_checkpoints(ckpt_root)[:-keep_last]:
-            if old != final and (protect is None or old.resolve() != protect.resolve()):
+            if old != final and (resumed_from is None or old.resolve() != resumed_from.resolve()):
                 shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
@@ -586,19 +748,35 @@ def plot_losses(metrics_path: Path, png_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def train(cfg: Config) -> int:
+def train(cfg: Config, given: set[str]) -> int:
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, InitProcessGroupKwargs, set_seed
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    resuming = cfg.resume != ""
     # Launched on CPUs, DeepSpeed needs gloo named explicitly or Accelerate and DeepSpeed disagree on the world size.
     # A plain `python train.py` has no process group to create; LOCAL_RANK is how Accelerate itself tells.
     launched = "LOCAL_RANK" in os.environ
     kwargs = [InitProcessGroupKwargs(backend="gloo")] if launched and not torch.cuda.is_available() else []
     accelerator = Accelerator(log_with=cfg.log_with or None, project_dir=cfg.output_dir, kwargs_handlers=kwargs)
+    started = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if started > 1 and accelerator.distributed_type == DistributedType.NO:  # torchrun on CPUs without ACCELERATE_USE_CPU=1
+        if torch.distributed.get_rank() == 0:
+            print(f"error: {started} processes were started but Accelerate runs them as {accelerator.distributed_type.value}, with "
+                  f"no gradient sync: each would train its own copy. On CPUs launch with "
+                  f"ACCELERATE_USE_CPU=1 torchrun --nproc_per_node {started} train.py ..., or accelerate launch --config_file "
+                  f"accelerate_configs/zero3_cpu.yaml train.py ...")
+        return 2
     try:
-        meta = validate(cfg, resuming)
+        check_output_dir(cfg)
+        out = Path(cfg.output_dir)
+        ckpt_root = out / "checkpoints"
+        resume_from = find_resume_checkpoint(cfg, ckpt_root, accelerator)
+        resume_state = json.loads((resume_from / "trainer_state.json").read_text()) if resume_from is not None else None
+        if resume_state is not None:
+            cfg, taken = config_for_resume(cfg, given, resume_state.get("config", {}))
+            if taken:
+                accelerator.print(f"settings from {resume_from.name}: " + " ".join(f"--{k} {v}" for k, v in taken.items()))
+        meta = validate(cfg)
         model_config = load_model_config(cfg, meta)
         accum = grad_accum_steps(accelerator)
         plan = batch_plan(cfg.micro_batch_size, accum, accelerator.num_processes, cfg.seq_len)
@@ -608,22 +786,26 @@ def train(cfg: Config) -> int:
             val_tokens = val_tokens[: cfg.eval_tokens + 1]
         n_windows = lmdata.num_windows(len(train_tokens), cfg.seq_len)
         total_steps = total_steps_for(cfg.max_steps, cfg.num_epochs, n_windows, plan["sequences_per_step"])
-        out = Path(cfg.output_dir)
-        ckpt_root = out / "checkpoints"
-        resume_from = find_resume_checkpoint(cfg, ckpt_root, accelerator)
         run_identity = {"world_size": plan["world_size"], "micro_batch_size": cfg.micro_batch_size, "grad_accum_steps": accum,
                         "seq_len": cfg.seq_len, "seed": cfg.seed, "data_fingerprint": meta["fingerprint"],
                         "model_config_hash": config_hash(model_config)}
-        resume_state = None
-        if resume_from is not None:
-            resume_state = json.loads((resume_from / "trainer_state.json").read_text())
+        if resume_state is not None:
             check_resume_compatible(resume_state, run_identity, resume_from)
+            replanned = schedule_on_resume(cfg, given, total_steps, resume_state)
+            if replanned:
+                accelerator.print(replanned)
             if resume_state["step"] > total_steps:
                 raise StartupError(f"cannot resume {resume_from}: it is at step {resume_state['step']}, beyond this run's {total_steps} steps; "
                                    f"raise --max_steps (or --num_epochs)")
     except StartupError as e:
         accelerator.print(f"error: {e}")
         return 2
+    finaliser = first_process_on_disk(accelerator, ckpt_root)
+    if resume_from is not None and cfg.resume != "auto" and finaliser:
+        aside = set_aside_newer(ckpt_root, resume_from)
+        if aside is not None:
+            print(f"moved the checkpoints after {resume_from.name} to {aside}: this run continues from {resume_from.name}")
+    accelerator.wait_for_everyone()
 
     is_deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     ds_config = accelerator.state.deepspeed_plugin.deepspeed_config if is_deepspeed else {}
@@ -674,11 +856,9 @@ def train(cfg: Config) -> int:
                       f"{flops_tok / 1e6:.1f} MFLOP/token; peak {peak_flops / 1e12:.2f} TFLOP/s ({peak_source})")
 
     start_step = 0
-    protect = None
     if resume_state is not None:
         accelerator.load_state(str(resume_from))
         start_step = resume_state["step"]
-        protect = resume_from
         accelerator.print(f"resumed from {resume_from} at step {start_step} ({resume_state['tokens_seen']:,} tokens seen)")
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
@@ -687,7 +867,7 @@ def train(cfg: Config) -> int:
         kept = ([l for l in metrics_path.read_text().splitlines() if json.loads(l)["step"] <= start_step]
                 if resume_state is not None and metrics_path.exists() else [])
         metrics_path.write_text("".join(l + "\n" for l in kept))
-        (out / "config.json").write_text(json.dumps({**dataclasses.asdict(cfg), "batch_plan": plan, "total_steps": total_steps, "precision": precision,
+        (out / "config.json").write_text(json.dumps({"written_by": "train.py", **dataclasses.asdict(cfg), "batch_plan": plan, "total_steps": total_steps, "precision": precision,
                                                     "peak_mem_before_model_gib": mem_before_model_gib}, indent=2) + "\n")
     if cfg.log_with:
         accelerator.init_trackers("train", config={k: v for k, v in dataclasses.asdict(cfg).items() if isinstance(v, (int, float, str, bool))})
@@ -714,10 +894,12 @@ def train(cfg: Config) -> int:
 
     def state_at(step: int) -> dict:
         return {**run_identity, "step": step, "tokens_seen": step * plan["tokens_per_step"], "samples_seen": step * plan["sequences_per_step"],
-                "epoch": step * plan["sequences_per_step"] / n_windows, "data_dir": str(Path(cfg.data_dir).resolve()), "total_steps": total_steps}
+                "epoch": step * plan["sequences_per_step"] / n_windows, "data_dir": str(Path(cfg.data_dir).resolve()), "total_steps": total_steps,
+                "config": {**dataclasses.asdict(cfg), "data_dir": str(Path(cfg.data_dir).resolve())}}
 
     engine = model if is_deepspeed else None
-    interval_t0, interval_steps, skipped_at_start = time.perf_counter(), 0, engine.skipped_steps if engine else 0
+    interval_t0, interval_steps, interval_loss = time.perf_counter(), 0, 0.0
+    skipped_at_start, skipped_here = (engine.skipped_steps if engine else 0), 0
     last_saved = start_step if resume_state is not None else None
     step = start_step
     while step < total_steps:
@@ -744,6 +926,7 @@ def train(cfg: Config) -> int:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
                 optimizer.step()
                 optimizer.zero_grad()
+                skipped_here += int(accelerator.sync_gradients and engine is None and accelerator.optimizer_step_was_skipped)
             loss_sum += loss.detach()
         step += 1
         interval_steps += 1
@@ -753,7 +936,8 @@ def train(cfg: Config) -> int:
         reduced = accelerator.reduce(torch.stack([loss_sum / accum, torch.tensor(float(bool(stop_signal)), device=accelerator.device)]), "sum")
         step_loss, stop_requested = float(reduced[0]) / accelerator.num_processes, bool(reduced[1] > 0)
         grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
-        skipped = (engine.skipped_steps - skipped_at_start) if engine else 0
+        skipped = (engine.skipped_steps - skipped_at_start) if engine else skipped_here
+        interval_loss += step_loss
         if precision != "fp16" and not (math.isfinite(step_loss) and math.isfinite(grad_norm)):
             accelerator.print(f"error: step {step}: loss {step_loss} / grad norm {grad_norm} is not finite; stopping without saving. "
                               f"The last checkpoint is intact: lower --lr, raise --warmup_steps or check the data, then --resume auto")
@@ -763,23 +947,25 @@ def train(cfg: Config) -> int:
             elapsed = time.perf_counter() - interval_t0
             tokens_per_s = interval_steps * plan["tokens_per_step"] / elapsed
             mem = float(accelerator.gather(torch.tensor([peak_memory_gib(accelerator.device)], device=accelerator.device)).max())
-            record = {"step": step, "tokens": step * plan["tokens_per_step"], "loss": step_loss, "lr": lr, "grad_norm": grad_norm,
+            mean_loss = interval_loss / interval_steps
+            record = {"step": step, "tokens": step * plan["tokens_per_step"], "loss": mean_loss, "lr": lr, "grad_norm": grad_norm,
                       "tokens_per_s": tokens_per_s, "mfu": mfu(tokens_per_s, flops_tok, peak_flops), "peak_mem_gib": mem,
                       "epoch": step * plan["sequences_per_step"] / n_windows, "samples_seen": step * plan["sequences_per_step"]}
-            if precision == "fp16":
-                record.update(loss_scale=float(engine.optimizer.loss_scale), skipped_steps=skipped)
-            bar.set_postfix(loss=f"{step_loss:.3f}", lr=f"{lr:.2e}")
-            log(record, f"step {step}/{total_steps} | loss {step_loss:.4f} | lr {lr:.2e} | grad {grad_norm:.3f} | "
+            scale = fp16_loss_scale(engine, accelerator.scaler) if precision == "fp16" else None
+            if scale is not None:
+                record.update(loss_scale=scale, skipped_steps=skipped)
+            bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.2e}")
+            log(record, f"step {step}/{total_steps} | loss {mean_loss:.4f} | lr {lr:.2e} | grad {grad_norm:.3f} | "
                         f"{tokens_per_s:,.0f} tok/s | MFU {record['mfu']:.1%} | peak mem {mem:.2f} GiB"
-                        + (f" | scale {record['loss_scale']:.0f} skipped {skipped}" if precision == "fp16" else ""))
-            interval_t0, interval_steps = time.perf_counter(), 0
+                        + (f" | scale {scale:.0f} skipped {skipped}" if scale is not None else ""))
+            interval_t0, interval_steps, interval_loss = time.perf_counter(), 0, 0.0
         pause_t0 = time.perf_counter()
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == total_steps:
             val = validation_loss(model, accelerator, val_tokens, cfg.seq_len, cfg.micro_batch_size)
             log({"step": step, "tokens": step * plan["tokens_per_step"], "val_loss": val, "val_ppl": math.exp(val)},
                 f"step {step} | val loss {val:.4f} | val ppl {math.exp(val):.2f}")
         if (cfg.save_every and step % cfg.save_every == 0) or step == total_steps or stop_requested:
-            saved = save_checkpoint(accelerator, ckpt_root, step, state_at(step), cfg.keep_last, protect)
+            saved = save_checkpoint(accelerator, ckpt_root, step, state_at(step), cfg.keep_last, resume_from, finaliser)
             last_saved = step
             accelerator.print(f"saved {saved}")
         interval_t0 += time.perf_counter() - pause_t0  # throughput counts training time only
@@ -801,10 +987,11 @@ def train(cfg: Config) -> int:
 def main(argv: list[str] | None = None) -> int:
     from transformers import HfArgumentParser
 
+    argv = sys.argv[1:] if argv is None else argv
     (cfg,) = HfArgumentParser(Config, description=__doc__.split("\n\n")[0]).parse_args_into_dataclasses(argv)
     if cfg.plan:
         return run_plan(cfg)
-    return train(cfg)
+    return train(cfg, given_fields(argv))
 
 
 if __name__ == "__main__":

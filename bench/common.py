@@ -3,6 +3,7 @@
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -13,9 +14,24 @@ RESULTS = REPO / "bench" / "results"
 sys.path.insert(0, str(REPO))
 
 
+def cpu_bf16_units() -> str:
+    """The CPU's native bf16 instructions (AMX, AVX512-BF16) as /proc/cpuinfo names them, or "none"."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    flags = next((set(l.split(":", 1)[1].split()) for l in info.splitlines() if l.startswith("flags")), set())
+    return ", ".join(sorted(flags & {"amx_bf16", "avx512_bf16"})) or "none"
+
+
 def machine() -> str:
     cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("model name")), platform.processor())
-    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    return f"{cpu}, {os.cpu_count()} cores, bf16 units: {cpu_bf16_units()}, Python {platform.python_version()}"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def record(name: str, result: dict) -> None:
@@ -41,11 +57,18 @@ def prepare_docs(tmp: str, vocab: int = 8192) -> Path:
 
 
 def train_py_rate(launcher: list[str], data: Path, out: Path, model_config: str, seq_len: int, batch: int, steps: int,
-                  intervals: int = 3) -> dict:
+                  processes: int, intervals: int = 3, env: dict | None = None) -> dict:
     """Run train.py (after `launcher`, e.g. ["python"] or an accelerate launch prefix) and return its mean logged
-    tokens/s and MFU over the log intervals after the first, which holds the warm-up."""
-    sh(launcher + ["train.py", "--data_dir", str(data), "--model_config", model_config, "--output_dir", str(out),
-                   "--seq_len", str(seq_len), "--micro_batch_size", str(batch), "--max_steps", str(steps),
-                   "--log_every", str(max(1, steps // intervals)), "--eval_every", "0", "--eval_tokens", "4096", "--save_every", "0"])
+    tokens/s and MFU over the log intervals after the first, which holds the warm-up. Stops unless the run's own
+    batch-plan line says it trained on `processes` processes (a launcher can quietly start one)."""
+    proc = sh(launcher + ["train.py", "--data_dir", str(data), "--model_config", model_config, "--output_dir", str(out),
+                          "--seq_len", str(seq_len), "--micro_batch_size", str(batch), "--max_steps", str(steps),
+                          "--log_every", str(max(1, steps // intervals)), "--eval_every", "0", "--eval_tokens", "4096",
+                          "--save_every", "0"], env=env)
+    plan = re.search(r"batch plan: .* x (\d+) processes = .*; (\w+), (\w+)", proc.stdout)
+    if not plan or int(plan.group(1)) != processes:
+        raise SystemExit(f"{' '.join(launcher)} was to train on {processes} processes; its batch plan says: "
+                         f"{plan.group(0) if plan else 'nothing'}")
     records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in l][1:]
-    return {"tokens_per_s": sum(r["tokens_per_s"] for r in records) / len(records), "mfu": sum(r["mfu"] for r in records) / len(records)}
+    return {"tokens_per_s": sum(r["tokens_per_s"] for r in records) / len(records), "mfu": sum(r["mfu"] for r in records) / len(records),
+            "distributed_type": plan.group(2), "precision": plan.group(3)}

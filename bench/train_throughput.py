@@ -1,15 +1,22 @@
-"""train.py's training throughput against a bare PyTorch loop, and its CPU MFU against a timed fp32 matmul.
+"""train.py's training throughput against what a user would write instead, and its CPU MFU against a timed matmul.
 
-    python bench/train_throughput.py [--model_config small] [--steps 30]
+    python bench/train_throughput.py [--model_config small] [--steps 30] [--rounds 2]
 
-Same model (the ~30M `small` preset), same batch (8 x 256 tokens), same threads, one process each, run one after
-the other in this invocation: a bare loop (forward, cross-entropy, backward, AdamW step) and `python train.py`
-(no launcher: Accelerate without DeepSpeed) and `accelerate launch --num_processes 1` with the ZeRO-3 CPU config.
-Steady-state tokens/s skips the first log interval (warm-up). MFU = 6 N + 12 L H T FLOPs per token x tokens/s over
-the peak of a 2048 x 2048 fp32 matmul timed in this process. Targets: train.py >= 0.9 of the bare loop; MFU >= 50%.
+Two comparisons, each run side by side in this invocation:
+1. Under DeepSpeed, the real setup: train.py and bench/bare_accelerate_loop.py (a bare Accelerate + DeepSpeed loop:
+   DataLoader, forward, accelerator.backward, optimizer.step, nothing else), both through `accelerate launch` with
+   the ZeRO-3 CPU config on --ds_processes processes, the `mini` preset at 8 x 128 tokens, in alternation for
+   --rounds rounds. Target: train.py >= 0.97 of the bare loop (median over rounds).
+2. One process without DeepSpeed: the ~30M `small` preset at 8 x 256 tokens, a bare PyTorch loop (forward,
+   cross-entropy, backward, AdamW step) and `python train.py`; also `accelerate launch --num_processes 1` with the
+   ZeRO-3 CPU config, to show what DeepSpeed's engine costs on one process. Targets: train.py >= 0.9 of the bare
+   loop; MFU >= 50%, with MFU = 6 N + 12 L H T FLOPs per token x tokens/s over a 2048 x 2048 fp32 matmul timed here.
+Steady-state tokens/s skips the first log interval of train.py and the first third of the bare loops' steps.
 """
 
 import argparse
+import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -17,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import prepare_docs, record, train_py_rate
+from common import free_port, prepare_docs, record, sh, train_py_rate
 
 import lmdata
 import train
@@ -64,14 +71,18 @@ def main():
     ap.add_argument("--seq_len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--ds_processes", type=int, default=3)
+    ap.add_argument("--ds_steps", type=int, default=60)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         data = prepare_docs(tmp)
+        ds = deepspeed_rounds(data, Path(tmp), args)
         peak = matmul_peak()
         bare = bare_loop(data, args.model_config, args.seq_len, args.batch, args.steps)
-        plain = train_py_rate(["python"], data, Path(tmp) / "plain", args.model_config, args.seq_len, args.batch, args.steps)
+        plain = train_py_rate(["python"], data, Path(tmp) / "plain", args.model_config, args.seq_len, args.batch, args.steps, processes=1)
         zero3 = train_py_rate(["accelerate", "launch", "--config_file", "accelerate_configs/zero3_cpu.yaml", "--num_processes", "1"],
-                         data, Path(tmp) / "zero3", args.model_config, args.seq_len, args.batch, args.steps)
+                         data, Path(tmp) / "zero3", args.model_config, args.seq_len, args.batch, args.steps, processes=1)
         peak_after = matmul_peak()
     c = train.load_model_config(train.Config(model_config=args.model_config, seq_len=args.seq_len), {"vocab_size": 8192, "eos_id": 0})
     counts = train.llama_param_counts(c)
@@ -82,8 +93,30 @@ def main():
         "bare_loop_tokens_per_s": bare, "train_py_tokens_per_s": plain["tokens_per_s"], "train_py_zero3_1proc_tokens_per_s": zero3["tokens_per_s"],
         "ratio_train_py_vs_bare": plain["tokens_per_s"] / bare, "ratio_zero3_1proc_vs_bare": zero3["tokens_per_s"] / bare,
         "matmul_peak_flops": peak, "mfu_bare_loop": bare * flops_tok / peak, "mfu_train_py": plain["tokens_per_s"] * flops_tok / peak,
-        "mfu_train_py_logged": plain["mfu"], "targets": {"ratio": 0.9, "mfu": 0.5},
+        "mfu_train_py_logged": plain["mfu"], **ds, "targets": {"ratio": 0.9, "mfu": 0.5, "ratio_vs_bare_accelerate_deepspeed": 0.97},
     })
+
+
+def deepspeed_rounds(data: Path, tmp: Path, args) -> dict:
+    """train.py against bench/bare_accelerate_loop.py, both under `accelerate launch` with the ZeRO-3 CPU config."""
+    n, model, seq, batch = args.ds_processes, "mini", 128, 8
+    rates = {"bare": [], "train_py": []}
+    for r in range(args.rounds):
+        launch = ["accelerate", "launch", "--config_file", "accelerate_configs/zero3_cpu.yaml", "--num_processes", str(n),
+                  "--main_process_port", str(free_port())]
+        proc = sh(launch + ["bench/bare_accelerate_loop.py", "--data_dir", str(data), "--model_config", model, "--seq_len", str(seq),
+                            "--micro_batch_size", str(batch), "--steps", str(args.ds_steps)])
+        bare = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("{")))
+        if bare["processes"] != n:
+            raise SystemExit(f"the bare loop ran {bare['processes']} processes, not {n}")
+        rates["bare"].append(bare["tokens_per_s"])
+        launch[-1] = str(free_port())
+        rates["train_py"].append(train_py_rate(launch, data, tmp / f"ds{r}", model, seq, batch, args.ds_steps, processes=n,
+                                               intervals=4)["tokens_per_s"])
+    ratios = [t / b for t, b in zip(rates["train_py"], rates["bare"])]
+    return {"ds_setup": f"{n} processes, ZeRO-3 CPU config, {model}, {batch} x {seq} tokens, {args.ds_steps} steps",
+            "bare_accelerate_deepspeed_tokens_per_s": rates["bare"], "train_py_deepspeed_tokens_per_s": rates["train_py"],
+            "ratio_train_py_vs_bare_accelerate_deepspeed": statistics.median(ratios)}
 
 
 if __name__ == "__main__":

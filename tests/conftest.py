@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -22,10 +23,10 @@ TINY = ["--model_config", "tiny", "--seq_len", "32", "--log_every", "1", "--eval
         "--save_every", "0", "--warmup_steps", "2", "--lr", "3e-3"]
 
 
-def run(args, check=True, env=None, timeout=600, **kw):
+def run(args, check=True, env=None, timeout=600, cwd=REPO, **kw):
     """Run a command from the repository root, as a user would; returns the CompletedProcess (text)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    proc = subprocess.run(args, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout, **kw)
+    proc = subprocess.run(args, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout, **kw)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(map(str, args))} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
     return proc
@@ -37,14 +38,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_cmd(nproc: int, *train_args, config=CPU_CONFIG, script="train.py"):
-    return [ACCELERATE, "launch", "--config_file", config, "--num_processes", str(nproc),
-            "--main_process_port", str(free_port()), script, *map(str, train_args)]
+def launch_cmd(nproc: int, *train_args, config=CPU_CONFIG, script="train.py", accum=1):
+    return [ACCELERATE, "launch", "--config_file", config, "--num_processes", str(nproc), "--gradient_accumulation_steps",
+            str(accum), "--main_process_port", str(free_port()), script, *map(str, train_args)]
 
 
-def launch(nproc: int, *train_args, check=True, env=None, config=CPU_CONFIG):
-    """`accelerate launch` of train.py on `nproc` CPU processes (DeepSpeed ZeRO-3, gloo, fp32)."""
-    return run(launch_cmd(nproc, *train_args, config=config), check=check, env=env)
+def assert_processes(proc, nproc: int, accum: int = 1) -> None:
+    """The run's own batch-plan line says how many processes really trained: a launcher that quietly starts one
+    process (accelerate's simple launcher does, for MULTI_CPU configs) fails here."""
+    plan = re.search(r"batch plan: (\d+) micro x (\d+) accumulation x (\d+) processes", proc.stdout)
+    assert plan, proc.stdout[-3000:]
+    assert (int(plan.group(2)), int(plan.group(3))) == (accum, nproc), plan.group(0)
+
+
+def launch(nproc: int, *train_args, check=True, env=None, config=CPU_CONFIG, accum=1):
+    """`accelerate launch` of train.py on `nproc` CPU processes (DeepSpeed ZeRO-3, gloo, fp32); a successful run is
+    checked to have trained on exactly `nproc` processes with `accum` accumulation steps."""
+    proc = run(launch_cmd(nproc, *train_args, config=config, accum=accum), check=check, env=env)
+    if check:
+        assert_processes(proc, nproc, accum)
+    return proc
 
 
 def metrics(out_dir) -> list[dict]:

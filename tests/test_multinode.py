@@ -3,22 +3,24 @@ as one launch of the same world size and global batch, and both machines resume 
 
 import subprocess
 
-from conftest import ACCELERATE, CPU_CONFIG, REPO, TINY, free_port, launch, run, train_records
+from conftest import ACCELERATE, CPU_CONFIG, REPO, TINY, assert_processes, free_port, launch, run, train_records
 from test_train import assert_same_weights
 
 
-def launch_two_machines(*train_args):
+def launch_two_machines(*train_args, cwds=(REPO, REPO)):
+    """Machine 0 and machine 1, one process each, over loopback; `cwds` are their working directories."""
     port = str(free_port())
     base = [ACCELERATE, "launch", "--config_file", CPU_CONFIG, "--num_machines", "2", "--num_processes", "2",
             "--main_process_ip", "127.0.0.1", "--main_process_port", port, "--deepspeed_multinode_launcher", "standard"]
-    args = ["train.py", *map(str, train_args)]
-    second = subprocess.Popen(base + ["--machine_rank", "1"] + args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    args = [str(REPO / "train.py"), *map(str, train_args)]
+    second = subprocess.Popen(base + ["--machine_rank", "1"] + args, cwd=cwds[1], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        first = run(base + ["--machine_rank", "0"] + args)
+        first = run(base + ["--machine_rank", "0"] + args, cwd=cwds[0])
         out, _ = second.communicate(timeout=300)
     finally:
         second.kill()
     assert second.returncode == 0, out[-4000:]
+    assert_processes(first, 2)
     return first
 
 
@@ -36,3 +38,31 @@ def test_two_machines_match_one_launch_and_resume(docs_data, tmp_path):
     for step in range(1, 7):
         assert abs(a[step]["loss"] - b[step]["loss"]) / a[step]["loss"] < 1e-6, (step, a[step]["loss"], b[step]["loss"])
     assert_same_weights(single, multi)
+
+
+def test_node_local_disks_agree_on_the_checkpoint(docs_data, tmp_path):
+    """Each "machine" runs in its own directory with a relative --output_dir, so each holds only its own rank's shards
+    and finalises its own copy, as on node-local disks. A kill between the two machines' renames is replayed by
+    taking machine 1's step_4 back to .tmp-step_4: --resume auto must bring both back to step_2, not each to its own
+    newest, and end with the weights of an uninterrupted launch."""
+    common = [*TINY, "--micro_batch_size", "2", "--data_dir", docs_data, "--lr_decay_steps", "6", "--save_every", "2"]
+    single = tmp_path / "single"
+    launch(2, *common, "--max_steps", "6", "--output_dir", single)
+    machines = [tmp_path / "machine0", tmp_path / "machine1"]
+    for m in machines:
+        m.mkdir()
+        (m / "accelerate_configs").symlink_to(REPO / "accelerate_configs")
+    launch_two_machines(*common, "--max_steps", "4", "--output_dir", "run", cwds=machines)
+    for m in machines:
+        assert (m / "run" / "checkpoints" / "step_4" / "trainer_state.json").is_file()
+    ckpts1 = machines[1] / "run" / "checkpoints"
+    (ckpts1 / "step_4" / "trainer_state.json").unlink()
+    (ckpts1 / "step_4").rename(ckpts1 / ".tmp-step_4")
+    (ckpts1 / "latest").write_text("step_2\n")
+    proc = launch_two_machines(*common, "--max_steps", "6", "--output_dir", "run", "--resume", "auto", cwds=machines)
+    assert "machines disagree on the newest checkpoint (steps 2 to 4); all resume from step 2" in proc.stdout
+    assert "resumed from run/checkpoints/step_2" in proc.stdout
+    a, b = train_records(single), train_records(machines[0] / "run")
+    for step in range(1, 7):
+        assert abs(a[step]["loss"] - b[step]["loss"]) / a[step]["loss"] < 1e-6, (step, a[step]["loss"], b[step]["loss"])
+    assert_same_weights(single, machines[0] / "run")

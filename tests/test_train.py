@@ -50,7 +50,7 @@ def test_three_processes_partition_the_parameters(ref):
     held = [float(x) / 100 for x in re.search(r"parameters held per process: ([\d.% ]+)", proc.stdout).group(1).replace("%", "").split()]
     assert len(held) == 3
     assert all(0.30 < h < 0.40 for h in held), held  # each rank about a third, not the whole model
-    assert "DEEPSPEED, fp32" in proc.stdout and "6 sequences" in proc.stdout
+    assert "DEEPSPEED, fp32" in proc.stdout and "2 micro x 1 accumulation x 3 processes = 6 sequences" in proc.stdout
 
 
 def test_one_process_same_global_batch_gives_same_losses(ref, docs_data, tmp_path):
@@ -59,12 +59,27 @@ def test_one_process_same_global_batch_gives_same_losses(ref, docs_data, tmp_pat
     assert_same_losses(ref[0], out1, rel=1e-4)
 
 
+def test_gradient_accumulation_equals_a_bigger_micro_batch(ref, docs_data, tmp_path):
+    """3 processes x accumulation 2 x micro-batch 1 trains on the same 6 sequences per step as 1 process x 6."""
+    one, accum = tmp_path / "one", tmp_path / "accum"
+    launch(1, *TINY, *STEPS, "--micro_batch_size", "6", "--data_dir", docs_data, "--output_dir", one)
+    launch(3, *TINY, *STEPS, "--micro_batch_size", "1", "--data_dir", docs_data, "--output_dir", accum, accum=2)
+    assert_same_losses(one, accum, rel=1e-4)
+    # Not 1e-6: fp32 sums in another order differ in the last bits, and Adam's m / sqrt(v) turns those into full-size
+    # updates where a gradient is near zero. 3 processes without accumulation differ from 1 by as much (5e-5 at most,
+    # measured), so the bound is set by reduction order, not by accumulation; a dropped or repeated micro-batch
+    # moves the weights by orders of magnitude more.
+    assert_same_weights(one, accum, rel=2e-4)
+
+
 def test_resume_is_exact(ref, docs_data, tmp_path):
+    """The second command gives only what changes: every other setting comes from the checkpoint."""
     out = tmp_path / "resumed"
-    common = [*TINY, "--micro_batch_size", "2", "--data_dir", docs_data, "--output_dir", out, "--lr_decay_steps", "10"]
-    launch(3, *common, "--max_steps", "5")
-    proc = launch(3, *common, "--max_steps", "10", "--resume", "auto")
+    launch(3, *TINY, "--micro_batch_size", "2", "--data_dir", docs_data, "--output_dir", out, "--lr_decay_steps", "10", "--max_steps", "5")
+    proc = launch(3, "--output_dir", out, "--max_steps", "10", "--resume", "auto")
     assert "resumed from" in proc.stdout and "step_5" in proc.stdout
+    taken = next(l for l in proc.stdout.splitlines() if l.startswith("settings from step_5:"))
+    assert "--seq_len 32" in taken and "--lr 0.003" in taken and "--lr_decay_steps 10" in taken
     records = [r for r in metrics(out) if "loss" in r]
     assert [r["step"] for r in records] == list(range(1, 11))
     assert records[5]["samples_seen"] == 6 * 6  # the resumed run starts at sample 30: no batch is read twice
@@ -127,6 +142,15 @@ def test_sigkill_while_saving_keeps_previous_checkpoint(ref, docs_data, tmp_path
     # --keep_last 2 prunes the others, but never the checkpoint this run resumed from
     assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_10", "step_2", "step_8"]
     assert not list(ckpts.glob(".tmp-*"))
+    # An explicit resume from the older step_2 abandons step_8 and step_10: they move aside, pruning keeps the new
+    # branch, and --resume auto follows it.
+    proc = launch(3, "--output_dir", out, "--resume", ckpts / "step_2", "--save_every", "4")
+    assert "moved the checkpoints after step_2" in proc.stdout
+    (aside,) = ckpts.glob("abandoned-*")
+    assert sorted(p.name for p in aside.iterdir()) == ["step_10", "step_8"]
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_10", "step_2", "step_8"]
+    assert (ckpts / "latest").read_text().strip() == "step_10"
+    assert_same_weights(ref[0], out)
 
 
 def test_nan_loss_stops_without_writing(docs_data, tmp_path):
@@ -165,6 +189,9 @@ def startup_cases(docs_data, tmp_path):
     (busy / "notes.txt").write_text("mine")
     a_file = tmp_path / "a_file"
     a_file.write_text("")
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "meta.json").write_text("{}")
     d = str(docs_data)
     return {
         "missing data": (["--data_dir", str(tmp_path / "nope")], "does not exist"),
@@ -175,11 +202,14 @@ def startup_cases(docs_data, tmp_path):
         "non-empty output": (["--data_dir", d, "--output_dir", str(busy)], "is not empty; pass --resume auto"),
         "unwritable output": (["--data_dir", d, "--output_dir", str(a_file / "out")], "not a writable directory"),
         "bad resume path": (["--data_dir", d, "--resume", str(foreign)], "not a complete checkpoint"),
+        "resume into a foreign dir": (["--data_dir", d, "--output_dir", str(project), "--resume", "auto"], "no train.py run"),
+        "eval_tokens under seq_len": (["--data_dir", d, "--seq_len", "64", "--eval_tokens", "32"], "--eval_tokens 32 is less than"),
     }
 
 
 @pytest.mark.parametrize("case", ["missing data", "foreign data", "seq_len over context", "vocab mismatch", "batch size",
-                                  "non-empty output", "unwritable output", "bad resume path"])
+                                  "non-empty output", "unwritable output", "bad resume path", "resume into a foreign dir",
+                                  "eval_tokens under seq_len"])
 def test_startup_errors(docs_data, tmp_path, case):
     args, message = startup_cases(docs_data, tmp_path)[case]
     out = tmp_path / "out"
@@ -216,3 +246,31 @@ def test_resume_refuses_any_difference(key):
     changed = {**current, key: "other"}
     with pytest.raises(train.StartupError, match=f"{key}="):
         train.check_resume_compatible(state, changed, Path("ckpt"))
+
+
+def test_torchrun_without_accelerate_use_cpu_is_refused(docs_data, tmp_path):
+    """torchrun on CPUs without ACCELERATE_USE_CPU=1 gives Accelerate DistributedType.NO beside a 2-rank process group:
+    two unsynchronised copies. train.py refuses to start and says what to set."""
+    from conftest import free_port
+
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    out = tmp_path / "out"
+    cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), "train.py", *TINY, "--max_steps", "2",
+           "--data_dir", docs_data, "--output_dir", out]
+    proc = run(cmd, check=False, env={"ACCELERATE_USE_CPU": "0"})
+    assert proc.returncode != 0
+    errors = [l for l in proc.stdout.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and "2 processes were started" in errors[0] and "ACCELERATE_USE_CPU=1" in errors[0], proc.stdout
+    assert not out.exists()
+
+
+def test_cpu_config_runs_any_accelerate_script(docs_data):
+    """zero3_cpu.json says "auto" where Accelerate fills values in, so a plain Accelerate script with a DataLoader runs
+    on it too (before, it stopped: "Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided")."""
+    from conftest import launch_cmd
+
+    proc = run(launch_cmd(2, "--data_dir", docs_data, "--model_config", "tiny", "--seq_len", "32", "--micro_batch_size", "2",
+                          "--steps", "4", script="bench/bare_accelerate_loop.py", accum=2))
+    result = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("{")))
+    assert (result["processes"], result["grad_accum_steps"], result["distributed_type"]) == (2, 2, "DEEPSPEED")
+    assert result["final_loss"] > 0 and result["tokens_per_s"] > 0

@@ -8,13 +8,15 @@ import train
 
 
 def test_lr_warmup_then_cosine_to_floor():
-    lr = [train.lr_at(s, 1.0, 10, 110, 0.1) for s in range(110)]
-    assert lr[0] == pytest.approx(0.1) and lr[9] == pytest.approx(1.0)  # linear warmup reaches the peak
-    assert all(a < b for a, b in zip(lr[:10], lr[1:10]))
-    assert train.lr_at(60, 1.0, 10, 110, 0.1) == pytest.approx(0.55)  # half-way down the cosine
-    assert all(a >= b for a, b in zip(lr[10:], lr[11:]))
-    assert train.lr_at(110, 1.0, 10, 110, 0.1) == pytest.approx(0.1)
-    assert train.lr_at(500, 1.0, 10, 110, 0.1) == pytest.approx(0.1)  # past the schedule: the floor
+    # Warmup 3, schedule 10, peak 1, floor 0.1; values computed by hand: the peak is held on step 2 only, the cosine
+    # runs over steps 2..9 (progress (step - 2) / 7) and its last step is the floor.
+    expected = {0: 1 / 3, 1: 2 / 3, 2: 1.0, 3: 0.9554359905560886, 6: 0.44986557971965853, 9: 0.1}
+    for step, lr in expected.items():
+        assert train.lr_at(step, 1.0, 3, 10, 0.1) == pytest.approx(lr, rel=1e-12), step
+    lrs = [train.lr_at(s, 1.0, 3, 10, 0.1) for s in range(10)]
+    assert lrs.count(1.0) == 1 and all(a > b for a, b in zip(lrs[2:], lrs[3:]))
+    assert train.lr_at(25, 1.0, 3, 10, 0.1) == pytest.approx(0.1)  # past the schedule: the floor
+    assert train.lr_at(0, 1.0, 0, 5, 0.0) == 1.0 and train.lr_at(4, 1.0, 0, 5, 0.0) == 0.0  # no warmup
 
 
 def test_batch_plan_and_steps():
@@ -92,3 +94,56 @@ def test_plan_command_names_the_offload_config():
     yes = subprocess.run(cmd + ["accelerate_configs/zero3_offload_3gpu.yaml", "--gradient_checkpointing"],
                          cwd=train.MODEL_CONFIG_DIR.parent, capture_output=True, text=True)
     assert "fits:" in yes.stdout and "host RAM" in yes.stdout, yes.stdout + yes.stderr
+
+
+def test_gpu_peak_by_name_and_precision():
+    assert train.gpu_peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989e12
+    assert train.gpu_peak_flops("NVIDIA H100 PCIe", "fp16") == 756e12  # not the SXM figure
+    assert train.gpu_peak_flops("NVIDIA GeForce RTX 4090", "fp16") == pytest.approx(165.2e12)
+    assert train.gpu_peak_flops("NVIDIA GeForce RTX 4090", "fp32") is None  # fp32 is timed, not the 16-bit datasheet
+    assert train.gpu_peak_flops("Some Future GPU", "bf16") is None
+
+
+def test_fp16_loss_scale_with_and_without_a_scaler():
+    import torch
+
+    assert train.fp16_loss_scale(None, None) is None  # fp16 without DeepSpeed and without a scaler: nothing to log
+    assert train.fp16_loss_scale(None, torch.amp.GradScaler("cpu", init_scale=1024.0)) == 1024.0  # Accelerate's scaler
+
+
+SAVED = {**{f.name: f.default for f in __import__("dataclasses").fields(train.Config)},
+         "data_dir": "/data/docs", "model_config": "mini", "seq_len": 128, "lr": 2e-3, "max_steps": 300}
+
+
+def test_resume_takes_what_the_command_does_not_give():
+    cfg = train.Config(output_dir="runs/q", max_steps=600, lr_decay_steps=600, resume="auto")
+    merged, taken = train.config_for_resume(cfg, {"output_dir", "max_steps", "lr_decay_steps", "resume"}, SAVED)
+    assert (merged.seq_len, merged.lr, merged.model_config, merged.data_dir) == (128, 2e-3, "mini", "/data/docs")
+    assert (merged.max_steps, merged.lr_decay_steps, merged.output_dir) == (600, 600, "runs/q")
+    assert taken == {"data_dir": "/data/docs", "model_config": "mini", "seq_len": 128, "lr": 2e-3}
+
+
+@pytest.mark.parametrize("flag,value", [("lr", 1e-3), ("seq_len", 256), ("warmup_steps", 5), ("weight_decay", 0.0),
+                                        ("max_grad_norm", 0.5), ("min_lr_ratio", 0.0), ("seed", 1)])
+def test_resume_refuses_a_changed_training_setting(flag, value):
+    cfg = train.Config(**{flag: value})
+    with pytest.raises(train.StartupError, match=f"--{flag}"):
+        train.config_for_resume(cfg, {flag}, SAVED)
+    train.config_for_resume(train.Config(eval_every=7, log_every=3), {"eval_every", "log_every"}, SAVED)  # runtime: allowed
+
+
+def test_resume_keeps_the_schedule_unless_replanned():
+    state = {"step": 300, "total_steps": 300, "config": SAVED}
+    cfg = train.Config(**{**SAVED, "max_steps": 600})
+    with pytest.raises(train.StartupError, match="--lr_decay_steps 600"):
+        train.schedule_on_resume(cfg, {"max_steps"}, 600, state)  # --max_steps alone would re-stretch the cosine
+    line = train.schedule_on_resume(train.Config(**{**SAVED, "max_steps": 600, "lr_decay_steps": 600}),
+                                    {"max_steps", "lr_decay_steps"}, 600, state)
+    assert "300 -> 600 steps" in line and f"{train.lr_at(300, 2e-3, 30, 600, 0.1):.3g}" in line
+    long = {"step": 50, "total_steps": 100, "config": {**SAVED, "lr_decay_steps": 1000}}
+    assert train.schedule_on_resume(train.Config(**{**SAVED, "lr_decay_steps": 1000, "max_steps": 200}), {"max_steps"}, 200, long) is None
+
+
+def test_given_fields_sees_abbreviations_and_bools():
+    assert train.given_fields(["--max_steps", "5", "--gradient_checkpointing", "--lr=1e-3"]) == {"max_steps", "gradient_checkpointing", "lr"}
+    assert train.given_fields([]) == set()
