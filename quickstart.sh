@@ -9,9 +9,16 @@ cd "$(dirname "$0")"
 DATA=data/python-docs
 OUT=runs/quickstart
 
+# bf16 only where the CPU has bf16 units (Intel AMX or AVX512-BF16); elsewhere bf16 matmuls are far slower than fp32.
+if grep -qwE 'amx_bf16|avx512_bf16' /proc/cpuinfo 2>/dev/null; then
+    PRECISION=(--mixed_precision bf16); echo "quickstart: this CPU has bf16 units ($(grep -owE 'amx_bf16|avx512_bf16' /proc/cpuinfo | sort -u | tr '\n' ' ')): training in bf16"
+else
+    PRECISION=(); echo "quickstart: this CPU has no bf16 units (no AMX, no AVX512-BF16): training in fp32"
+fi
+
 python prepare_data.py --dataset python-docs --tokenizer bpe:4096 --output_dir "$DATA" --validation_fraction 0.05
 rm -rf "$OUT"  # a fresh demo each time; real runs continue with --resume auto instead
-accelerate launch --config_file accelerate_configs/zero3_cpu.yaml train.py \
+accelerate launch --config_file accelerate_configs/zero3_cpu.yaml "${PRECISION[@]}" train.py \
     --data_dir "$DATA" --model_config mini --output_dir "$OUT" \
     --seq_len 128 --micro_batch_size 8 --max_steps 300 --warmup_steps 30 --lr 2e-3 \
     --log_every 25 --eval_every 100 --save_every 100

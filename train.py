@@ -76,13 +76,14 @@ class Config:
     interconnect_gb_s: float = dataclasses.field(default=10.0, metadata={"help": "GPU-to-GPU bandwidth assumed for the plan, GB/s (PCIe 4.0 x16 without P2P: ~10)"})
     gpu_memory_gib: float = dataclasses.field(default=24.0, metadata={"help": "with --plan: memory per GPU to plan for (RTX 4090: 24); a real run reads the device"})
     ignore_memory_plan: bool = dataclasses.field(default=False, metadata={"help": "start even when the plan says the model does not fit the GPUs"})
+    eval_at_start: bool = dataclasses.field(default=True, metadata={"help": "validation loss of the initial weights at step 0 (--no_eval_at_start skips it: on CPU processes under ZeRO-3 no-grad forwards before the first step slow the whole run, see BENCHMARKS.md)"})
     log_with: str = dataclasses.field(default="", metadata={"help": "extra tracker for accelerate, e.g. tensorboard"})
     gradient_checkpointing: bool = dataclasses.field(default=False, metadata={"help": "recompute activations in backward (less memory, ~30%% more compute)"})
     attn_implementation: str = dataclasses.field(default="sdpa", metadata={"help": "attention kernel: sdpa or eager"})
 
 
 # Settings that change what a run reports or where it reads and writes, not what it trains: free to change on resume.
-RESUME_CHANGEABLE = {"data_dir", "log_every", "eval_every", "eval_tokens", "save_every", "keep_last", "accelerate_config",
+RESUME_CHANGEABLE = {"data_dir", "log_every", "eval_every", "eval_at_start", "eval_tokens", "save_every", "keep_last", "accelerate_config",
                      "assumed_mfu", "interconnect_gb_s", "gpu_memory_gib", "ignore_memory_plan", "log_with",
                      "gradient_checkpointing", "attn_implementation"}
 # The LR schedule's length; changing it on resume needs an explicit --lr_decay_steps (schedule_on_resume).
@@ -888,7 +889,7 @@ def train(cfg: Config, given: set[str]) -> int:
     from tqdm.auto import tqdm
 
     bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True, disable=not accelerator.is_main_process)
-    if start_step == 0:
+    if start_step == 0 and cfg.eval_at_start:
         val = validation_loss(model, accelerator, val_tokens, cfg.seq_len, cfg.micro_batch_size)
         log({"step": 0, "tokens": 0, "val_loss": val, "val_ppl": math.exp(val)}, f"step 0 | val loss {val:.4f} | val ppl {math.exp(val):.2f}")
 

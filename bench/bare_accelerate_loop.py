@@ -5,7 +5,8 @@
 
 The same model preset and token windows as train.py, AdamW, a DataLoader through `accelerator.prepare`, then
 forward, `accelerator.backward`, `optimizer.step` and nothing else: no logging, validation, checkpoints or signal
-handling. It runs on any accelerate config, the DeepSpeed ones included. Prints one JSON line: the processes and
+handling (--eval_first adds two no-grad forwards before training, as train.py's step-0 validation does). It runs
+on any accelerate config, the DeepSpeed ones included. Prints one JSON line: the processes and
 accumulation it ran with and its steady-state tokens/s (wall time of the steps after the first third).
 """
 
@@ -40,6 +41,7 @@ def main():
     ap.add_argument("--seq_len", type=int, default=256)
     ap.add_argument("--micro_batch_size", type=int, default=4)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--eval_first", action="store_true", help="two no-grad forwards before training, as a validation at step 0")
     args = ap.parse_args()
     cpu = not torch.cuda.is_available()
     accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if cpu else [])
@@ -52,6 +54,12 @@ def main():
     loader = torch.utils.data.DataLoader(Windows(tokens, args.seq_len), batch_size=args.micro_batch_size, shuffle=True,
                                          generator=torch.Generator().manual_seed(0))
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    if args.eval_first:
+        model.eval()
+        with torch.no_grad():
+            for batch, _ in zip(loader, range(2)):
+                model(input_ids=batch[:, :-1], use_cache=False)
+        model.train()
     micro_steps = args.steps * accelerator.gradient_accumulation_steps
     times, batches = [], iter(loader)
     for _ in range(micro_steps):

@@ -57,14 +57,14 @@ def prepare_docs(tmp: str, vocab: int = 8192) -> Path:
 
 
 def train_py_rate(launcher: list[str], data: Path, out: Path, model_config: str, seq_len: int, batch: int, steps: int,
-                  processes: int, intervals: int = 3, env: dict | None = None) -> dict:
+                  processes: int, intervals: int = 3, env: dict | None = None, extra: list[str] = ()) -> dict:
     """Run train.py (after `launcher`, e.g. ["python"] or an accelerate launch prefix) and return its mean logged
     tokens/s and MFU over the log intervals after the first, which holds the warm-up. Stops unless the run's own
     batch-plan line says it trained on `processes` processes (a launcher can quietly start one)."""
     proc = sh(launcher + ["train.py", "--data_dir", str(data), "--model_config", model_config, "--output_dir", str(out),
                           "--seq_len", str(seq_len), "--micro_batch_size", str(batch), "--max_steps", str(steps),
                           "--log_every", str(max(1, steps // intervals)), "--eval_every", "0", "--eval_tokens", "4096",
-                          "--save_every", "0"], env=env)
+                          "--save_every", "0", *extra], env=env)
     plan = re.search(r"batch plan: .* x (\d+) processes = .*; (\w+), (\w+)", proc.stdout)
     if not plan or int(plan.group(1)) != processes:
         raise SystemExit(f"{' '.join(launcher)} was to train on {processes} processes; its batch plan says: "

@@ -98,25 +98,35 @@ def main():
 
 
 def deepspeed_rounds(data: Path, tmp: Path, args) -> dict:
-    """train.py against bench/bare_accelerate_loop.py, both under `accelerate launch` with the ZeRO-3 CPU config."""
+    """train.py against bench/bare_accelerate_loop.py, both under `accelerate launch` with the ZeRO-3 CPU config, each
+    with and without no-grad forwards before the first step (train.py's step-0 validation, the loop's --eval_first)."""
     n, model, seq, batch = args.ds_processes, "mini", 128, 8
-    rates = {"bare": [], "train_py": []}
+    rates = {"bare": [], "bare_eval_first": [], "train_py_no_eval_at_start": [], "train_py": []}
     for r in range(args.rounds):
-        launch = ["accelerate", "launch", "--config_file", "accelerate_configs/zero3_cpu.yaml", "--num_processes", str(n),
-                  "--main_process_port", str(free_port())]
-        proc = sh(launch + ["bench/bare_accelerate_loop.py", "--data_dir", str(data), "--model_config", model, "--seq_len", str(seq),
-                            "--micro_batch_size", str(batch), "--steps", str(args.ds_steps)])
-        bare = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("{")))
-        if bare["processes"] != n:
-            raise SystemExit(f"the bare loop ran {bare['processes']} processes, not {n}")
-        rates["bare"].append(bare["tokens_per_s"])
-        launch[-1] = str(free_port())
-        rates["train_py"].append(train_py_rate(launch, data, tmp / f"ds{r}", model, seq, batch, args.ds_steps, processes=n,
-                                               intervals=4)["tokens_per_s"])
-    ratios = [t / b for t, b in zip(rates["train_py"], rates["bare"])]
-    return {"ds_setup": f"{n} processes, ZeRO-3 CPU config, {model}, {batch} x {seq} tokens, {args.ds_steps} steps",
-            "bare_accelerate_deepspeed_tokens_per_s": rates["bare"], "train_py_deepspeed_tokens_per_s": rates["train_py"],
-            "ratio_train_py_vs_bare_accelerate_deepspeed": statistics.median(ratios)}
+        for name in rates:
+            launch = ["accelerate", "launch", "--config_file", "accelerate_configs/zero3_cpu.yaml", "--num_processes", str(n),
+                      "--main_process_port", str(free_port())]
+            if name.startswith("bare"):
+                proc = sh(launch + ["bench/bare_accelerate_loop.py", "--data_dir", str(data), "--model_config", model,
+                                    "--seq_len", str(seq), "--micro_batch_size", str(batch), "--steps", str(args.ds_steps)]
+                          + (["--eval_first"] if name == "bare_eval_first" else []))
+                bare = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("{")))
+                if bare["processes"] != n:
+                    raise SystemExit(f"the bare loop ran {bare['processes']} processes, not {n}")
+                rates[name].append(bare["tokens_per_s"])
+            else:
+                extra = ["--no_eval_at_start"] if name == "train_py_no_eval_at_start" else []
+                rates[name].append(train_py_rate(launch, data, tmp / f"{name}{r}", model, seq, batch, args.ds_steps, processes=n,
+                                                 intervals=4, extra=extra)["tokens_per_s"])
+
+    def ratio(a, b):
+        return statistics.median(x / y for x, y in zip(rates[a], rates[b]))
+
+    return {"ds_setup": f"{n} processes, ZeRO-3 CPU config, {model}, {batch} x {seq} tokens, {args.ds_steps} steps, {args.rounds} rounds",
+            **{f"{k}_tokens_per_s": v for k, v in rates.items()},
+            "ratio_train_py_vs_bare_accelerate_deepspeed": ratio("train_py_no_eval_at_start", "bare"),
+            "ratio_train_py_with_step0_eval_vs_bare_eval_first": ratio("train_py", "bare_eval_first"),
+            "ratio_bare_eval_first_vs_bare": ratio("bare_eval_first", "bare")}
 
 
 if __name__ == "__main__":

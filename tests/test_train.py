@@ -5,6 +5,7 @@ the same global batch, against a run stopped and resumed, and against runs hit b
 """
 
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, TINY, launch, metrics, run, train_records
+from conftest import REPO, TINY, launch, launch_cmd, metrics, run, train_records
 
 STEPS = ["--max_steps", "10"]
 
@@ -274,3 +275,13 @@ def test_cpu_config_runs_any_accelerate_script(docs_data):
     result = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("{")))
     assert (result["processes"], result["grad_accum_steps"], result["distributed_type"]) == (2, 2, "DEEPSPEED")
     assert result["final_loss"] > 0 and result["tokens_per_s"] > 0
+
+
+def test_bf16_on_cpu_processes(docs_data, tmp_path):
+    """The CPU config's JSON leaves precision to the launch: `--mixed_precision bf16` trains in bf16 under ZeRO-3 (fast
+    only on CPUs with AMX or AVX512-BF16; here it only has to run and learn nothing wrong)."""
+    out = tmp_path / "bf16"
+    cmd = launch_cmd(2, *TINY, "--max_steps", "3", "--micro_batch_size", "2", "--data_dir", docs_data, "--output_dir", out)
+    proc = run(cmd[:2] + ["--mixed_precision", "bf16"] + cmd[2:])
+    assert "x 2 processes" in proc.stdout and "DEEPSPEED, bf16" in proc.stdout
+    assert all(math.isfinite(r["loss"]) for r in train_records(out).values())
