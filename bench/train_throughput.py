@@ -73,7 +73,7 @@ def main():
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--ds_processes", type=int, default=3)
-    ap.add_argument("--ds_steps", type=int, default=60)
+    ap.add_argument("--ds_steps", type=int, default=45)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         data = prepare_docs(tmp)
