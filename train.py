@@ -801,12 +801,6 @@ def train(cfg: Config, given: set[str]) -> int:
     except StartupError as e:
         accelerator.print(f"error: {e}")
         return 2
-    finaliser = first_process_on_disk(accelerator, ckpt_root)
-    if resume_from is not None and cfg.resume != "auto" and finaliser:
-        aside = set_aside_newer(ckpt_root, resume_from)
-        if aside is not None:
-            print(f"moved the checkpoints after {resume_from.name} to {aside}: this run continues from {resume_from.name}")
-    accelerator.wait_for_everyone()
 
     is_deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     ds_config = accelerator.state.deepspeed_plugin.deepspeed_config if is_deepspeed else {}
@@ -831,6 +825,14 @@ def train(cfg: Config, given: set[str]) -> int:
     if not fits and not cfg.ignore_memory_plan:
         accelerator.print("error: the plan above does not fit this GPU's memory; follow its advice, or pass --ignore_memory_plan to try anyway")
         return 2
+
+    # Past every start-up check: from here on the run writes to OUT.
+    finaliser = first_process_on_disk(accelerator, ckpt_root)
+    if resume_from is not None and cfg.resume != "auto" and finaliser:
+        aside = set_aside_newer(ckpt_root, resume_from)
+        if aside is not None:
+            print(f"moved the checkpoints after {resume_from.name} to {aside}: this run continues from {resume_from.name}")
+    accelerator.wait_for_everyone()
 
     mem_before_model_gib = peak_memory_gib(accelerator.device)  # the baseline the plan's estimate adds to
     set_seed(cfg.seed)

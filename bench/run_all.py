@@ -15,7 +15,8 @@ import sys
 
 from common import REPO, RESULTS, record
 
-WIKITEXT2 = os.environ.get("WIKITEXT2_DIR", str(REPO.parent / "shared" / "data" / "wikitext-2"))
+# Relative to the repository (the benchmarks run from its root), so that no row names this machine's paths.
+WIKITEXT2 = os.path.relpath(os.environ.get("WIKITEXT2_DIR", REPO.parent / "shared" / "data" / "wikitext-2"), REPO)
 BENCHMARKS = [  # (result name, command)
     ("prepare_vs_tokenizer", ["bench/prepare_vs_tokenizer.py"]),
     ("prepare_vs_tokenizer_wikitext2", ["bench/prepare_vs_tokenizer.py", "--dataset", WIKITEXT2, "--name", "prepare_vs_tokenizer_wikitext2"]),
@@ -38,7 +39,7 @@ def main():
         if args.only is not None and name not in args.only:
             continue
         (RESULTS / f"{name}.json").unlink(missing_ok=True)
-        if name in NEEDS_WIKITEXT and not os.path.isfile(os.path.join(WIKITEXT2, "wiki.test.raw")):
+        if name in NEEDS_WIKITEXT and not (REPO / WIKITEXT2 / "wiki.test.raw").is_file():
             record(name, {"not_measured": f"no local WikiText-2 at {WIKITEXT2} (set WIKITEXT2_DIR)"})
             continue
         print(f"== {name}: python {' '.join(cmd)}", flush=True)
