@@ -117,6 +117,20 @@ def write_harness_wikitext_task(pages: list[str], directory: Path, name: str = "
     return name
 
 
+def harness_command(model_dir, task_dir: Path, name: str, batch_size: int, output_path: Path) -> list[str]:
+    """`lm_eval` on the task write_harness_wikitext_task made, fp32 on the CPU, as a user runs it (offline: run it with
+    HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1). read_harness_results reads what it writes."""
+    return [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", f"pretrained={model_dir},dtype=float32",
+            "--tasks", name, "--include_path", str(task_dir), "--batch_size", str(batch_size), "--device", "cpu",
+            "--output_path", str(output_path)]
+
+
+def read_harness_results(output_path: Path, name: str) -> dict:
+    """The task's metrics from the one results_*.json lm_eval wrote under output_path, e.g. {"word_perplexity": ...}."""
+    (results,) = Path(output_path).rglob("results_*.json")
+    return {k.split(",")[0]: v for k, v in json.loads(results.read_text())["results"][name].items()}
+
+
 def wikitext_text_from_rows(rows) -> str:
     """The raw WikiText file from the Hub's rows (`Salesforce/wikitext`): one row a line, blank lines (a single space
     in the file) stored as empty strings. Gives back the raw file byte for byte, whether rows keep their newline or not."""

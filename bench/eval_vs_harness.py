@@ -46,12 +46,9 @@ def main():
         harness_s, harness = {}, {}
         for bs in args.harness_batch_sizes:
             out = tmp / f"harness{bs}"
-            harness_s[bs] = timed([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
-                                   f"pretrained={model_dir},dtype=float32", "--tasks", name, "--include_path",
-                                   str(task), "--batch_size", str(bs), "--device", "cpu", "--output_path", str(out)],
+            harness_s[bs] = timed(lmdata.harness_command(model_dir, task, name, bs, out),
                                   env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
-            (results,) = out.rglob("results_*.json")
-            harness[bs] = json.loads(results.read_text())["results"][name]["word_perplexity,none"]
+            harness[bs] = lmdata.read_harness_results(out, name)["word_perplexity"]
         ours = json.loads((tmp / "eval.json").read_text())
     best = min(harness_s, key=harness_s.get)
     for bs, ppl in harness.items():

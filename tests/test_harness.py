@@ -2,8 +2,6 @@
 test pages and the harness's own `wikitext` task definition (its detokenizer and process_results), read from a local
 JSONL because the Hub is out of reach. Word perplexity, byte perplexity and bits per byte must agree to 1e-6."""
 
-import json
-import sys
 
 import pytest
 import torch
@@ -11,9 +9,6 @@ import torch
 import eval as ev
 import lmdata
 from conftest import WIKITEXT2, needs_wikitext, run
-
-LM_EVAL = [sys.executable, "-m", "lm_eval"]
-
 
 def test_harness_pages_split_at_titles_and_drop_the_newline():
     text = " \n = A = \n \n a text . \n \n = = S = = \n \n more \n = B = \n \n b \n"
@@ -60,11 +55,8 @@ def harness_wikitext(model_dir, tmp_path) -> dict:
     task = tmp_path / "task"
     name = lmdata.write_harness_wikitext_task(pages, task)
     out = tmp_path / "harness"
-    run(LM_EVAL + ["--model", "hf", "--model_args", f"pretrained={model_dir},dtype=float32", "--tasks", name,
-                   "--include_path", str(task), "--batch_size", "8", "--device", "cpu", "--output_path", str(out)],
-        env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
-    (results,) = out.rglob("results_*.json")
-    return {k.split(",")[0]: v for k, v in json.loads(results.read_text())["results"][name].items()}
+    run(lmdata.harness_command(model_dir, task, name, 8, out), env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    return lmdata.read_harness_results(out, name)
 
 
 @needs_wikitext
