@@ -20,6 +20,7 @@ length of the original document text.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -118,7 +119,7 @@ def hub_wikitext_pages(cfg: Config) -> list[str]:
                         f"or the file itself): its pages are split exactly as the Hub's")
     from datasets import load_dataset
 
-    dsd = load_dataset(HARNESS_WIKITEXT, lmdata.HUB_PRESETS[cfg.dataset][1])
+    dsd = load_dataset(HARNESS_WIKITEXT, lmdata.HUB_PRESETS[cfg.dataset].config)
     if cfg.split not in dsd:
         raise DataError(f"--dataset {cfg.dataset} has no '{cfg.split}' split (it has {sorted(dsd)}); pick one with --split")
     return list(dsd[cfg.split]["page"])
@@ -136,7 +137,7 @@ def local_documents(cfg: Config) -> tuple[list[str], bool]:
     docs, wikitext = [], False
     for path in files[cfg.split]:
         if path.suffix not in lmdata.TEXT_SUFFIXES:
-            docs.extend(lmdata.file_documents(path, cfg.text_field, text_blocks=True)[0])
+            docs.extend(lmdata.file_documents(path, cfg.text_field, "blank_line", lmdata.SourceStats()))
             continue
         text, _ = lmdata.read_text(path)
         if lmdata.is_wikitext(text):
@@ -159,14 +160,14 @@ def load_documents(cfg: Config) -> tuple[list[str], list[str], str]:
         held = path / f"{cfg.split}.jsonl"
         if not held.is_file():
             raise DataError(f"{cfg.dataset} has no {cfg.split}.jsonl (prepare_data.py keeps the text of validation and test splits)")
-        docs, _ = lmdata.jsonl_documents(held, "text")
+        docs = list(lmdata.jsonl_documents(held, "text", lmdata.SourceStats()))
     elif cfg.dataset in ("wikitext-2", "wikitext-103"):
         docs, wikitext = hub_wikitext_pages(cfg), True
     elif cfg.dataset in lmdata.HUB_PRESETS or cfg.dataset in lmdata.BUILTIN_SOURCES:
-        by_split, _ = lmdata.load_source(cfg.dataset, cfg.text_field, text_blocks=True)
-        if cfg.split not in by_split:
-            raise DataError(f"--dataset {cfg.dataset} has no '{cfg.split}' split (it has {sorted(by_split)}); pick one with --split")
-        docs = by_split[cfg.split] if isinstance(by_split[cfg.split], list) else by_split[cfg.split]["text"]
+        source = lmdata.open_source(cfg.dataset, cfg.text_field, "blank_line")
+        if cfg.split not in source.splits:
+            raise DataError(f"--dataset {cfg.dataset} has no '{cfg.split}' split (it has {sorted(source.splits)}); pick one with --split")
+        docs = list(itertools.islice((d for d in source.splits[cfg.split]() if d.strip()), cfg.max_documents or None))
     else:
         docs, wikitext = local_documents(cfg)
     docs = [d for d in docs if d.strip()]
@@ -307,4 +308,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from teardown import exit_process
+
+    exit_process(main())
