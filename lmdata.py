@@ -1,7 +1,7 @@
 """The data format shared by prepare_data.py, train.py and eval.py.
 
 Three things live here and nowhere else:
-  * reading corpora into whole documents (Hub presets, local files, the built-in `python-docs` corpus),
+  * reading corpora as streams of documents (Hub presets, local files, the built-in `python-docs` corpus),
   * the on-disk format: one flat token file per split plus meta.json, and its checked reader,
   * the training-sample order: windows of seq_len + 1 tokens, shuffled as a pure function of (seed, sample).
 """
@@ -9,16 +9,20 @@ Three things live here and nowhere else:
 from __future__ import annotations
 
 import ast
+import codecs
+import dataclasses
 import functools
 import glob
 import hashlib
+import itertools
 import json
 import os
 import re
 import socket
 import sys
 import sysconfig
-from pathlib import Path
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path, PurePosixPath
 from urllib.parse import urlparse
 
 import numpy as np
@@ -29,17 +33,13 @@ TEXT_SUFFIXES = (".txt", ".raw", ".tokens")
 DATA_SUFFIXES = TEXT_SUFFIXES + (".jsonl", ".parquet")
 PYTHON_DOCS_VERSION = 1  # bump when the python-docs builder changes what it emits
 
-# Hub presets: name -> (dataset id, config, whether its rows are WikiText lines to be joined into articles)
-HUB_PRESETS = {
-    "wikitext-103": ("Salesforce/wikitext", "wikitext-103-raw-v1", True),
-    "wikitext-2": ("Salesforce/wikitext", "wikitext-2-raw-v1", True),
-    "openwebtext": ("Skylion007/openwebtext", None, False),
-}
 BUILTIN_SOURCES = ("python-docs",)
 
 # WikiText's top-level article title: " = Title = " (section titles are " = = Section = = ").
 _WIKITEXT_TITLE = re.compile(r"^ = [^=].* = $")
 _WIKITEXT_SPLIT_FILES = {"train": "wiki.train", "validation": "wiki.valid", "test": "wiki.test"}
+_SPLIT_NAMES = {"train": "train", "validation": "validation", "valid": "validation", "test": "test"}
+_READ_BLOCK = 1 << 22
 
 
 class DataError(Exception):
@@ -47,28 +47,241 @@ class DataError(Exception):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Documents
+# Documents: streams of text -> streams of documents
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def split_wikitext_articles(text: str) -> list[str]:
-    """Split WikiText text into whole articles, each starting at its ` = Title = ` line.
+@dataclasses.dataclass
+class SourceStats:
+    """What a source's reader tolerated on the way (reported and kept in meta.json), and how far it has read."""
+
+    replaced_bytes: int = 0  # undecodable bytes, each replaced by U+FFFD
+    crlf_line_ends: int = 0  # Windows "\r\n" line ends turned into "\n"
+    bom_files: int = 0  # files whose UTF-8 byte-order mark was dropped
+    empty_documents: int = 0  # whitespace-only documents skipped
+    read_bytes: int = 0  # bytes read from files so far (progress)
+
+    def counts(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "read_bytes"}
+
+    def reset(self) -> None:
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, 0)
+
+
+_counting = {"stats": None}
+
+
+def _count_replaced(err: UnicodeDecodeError):
+    if _counting["stats"] is not None:
+        _counting["stats"].replaced_bytes += err.end - err.start
+    return "\ufffd", err.end
+
+
+codecs.register_error("lmdata-count-replace", _count_replaced)
+
+
+def iter_text(path: Path, stats: SourceStats) -> Iterator[str]:
+    """A file's text in blocks of about 4 MB: UTF-8, a leading BOM dropped, "\\r\\n" turned into "\\n", undecodable
+    bytes replaced by U+FFFD, each counted in `stats`. UTF-16 and empty files are refused."""
+    with open(path, "rb") as f:
+        block = f.read(_READ_BLOCK)
+        if not block.strip() and len(block) < _READ_BLOCK:
+            raise DataError(f"{path} is empty{' (whitespace only)' if block else ''}; remove it or give it text")
+        if block.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)) or block[:4096].count(0) > len(block[:4096]) // 4:
+            raise DataError(f"{path} is UTF-16 (byte-order mark or NUL bytes), not UTF-8; convert it first, e.g. "
+                            f"iconv -f UTF-16 -t UTF-8 {path} > {path.with_suffix('.utf8' + path.suffix).name}")
+        if block.startswith(codecs.BOM_UTF8):
+            stats.bom_files += 1
+            stats.read_bytes += 3
+            block = block[3:]
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="lmdata-count-replace")
+        held_cr = ""
+        while True:
+            stats.read_bytes += len(block)
+            _counting["stats"] = stats
+            try:
+                text = held_cr + decoder.decode(block, final=not block)
+            finally:
+                _counting["stats"] = None
+            held_cr = ""
+            if text.endswith("\r") and block:  # a "\r\n" may straddle two blocks
+                text, held_cr = text[:-1], "\r"
+            stats.crlf_line_ends += text.count("\r\n")
+            text = text.replace("\r\n", "\n")
+            if text:
+                yield text
+            if not block:
+                return
+            block = f.read(_READ_BLOCK)
+
+
+def iter_lines(chunks: Iterable[str]) -> Iterator[str]:
+    """Lines (each with its "\\n", the last one maybe without) of a stream of text blocks."""
+    rest = ""
+    for chunk in chunks:
+        lines = (rest + chunk).split("\n")
+        rest = lines.pop()
+        for line in lines:
+            yield line + "\n"
+    if rest:
+        yield rest
+
+
+def wikitext_articles(lines: Iterable[str]) -> Iterator[str]:
+    """WikiText lines -> whole articles, each starting at its ` = Title = ` line.
 
     Every byte after the first title stays in exactly one article (blank lines before the next title belong to the
     previous article); a whitespace-only preamble before the first title is dropped.
     """
-    docs: list[str] = []
     current: list[str] = []
-    for line in text.splitlines(keepends=True):
+    first = True
+    for line in lines:
         if _WIKITEXT_TITLE.match(line.rstrip("\r\n")) and current:
-            docs.append("".join(current))
-            current = []
+            article = "".join(current)
+            if not (first and not article.strip()):
+                yield article
+            first, current = False, []
         current.append(line)
+    if current and "".join(current).strip():
+        yield "".join(current)
+
+
+def split_wikitext_articles(text: str) -> list[str]:
+    return list(wikitext_articles(iter_lines([text])))
+
+
+def blank_line_blocks(lines: Iterable[str]) -> Iterator[str]:
+    """One document per block of lines between blank (whitespace-only) lines, without its surrounding newlines."""
+    current: list[str] = []
+    for line in lines:
+        if line.strip(" \t\n"):
+            current.append(line)
+        elif current:
+            yield "".join(current).strip("\n")
+            current = []
     if current:
-        docs.append("".join(current))
-    if docs and not docs[0].strip():
-        docs.pop(0)
-    return docs
+        yield "".join(current).strip("\n")
+
+
+def split_blank_line_blocks(text: str) -> list[str]:
+    return list(blank_line_blocks(iter_lines([text])))
+
+
+def separated_documents(chunks: Iterable[str], separator: str) -> Iterator[str]:
+    """Documents between occurrences of a literal separator (e.g. "<|endoftext|>"), without surrounding newlines."""
+    rest = ""
+    for chunk in chunks:
+        parts = (rest + chunk).split(separator)
+        rest = parts.pop()
+        yield from (p.strip("\n") for p in parts)
+    yield rest.strip("\n")
+
+
+def text_file_documents(path: Path, separator: str, stats: SourceStats) -> Iterator[str]:
+    """Documents of one plain-text file. separator "file": WikiText articles when the file has WikiText titles, else the
+    whole file; "blank_line": blocks between blank lines; anything else: a literal separator string."""
+    chunks = iter_text(path, stats)
+    if separator == "blank_line":
+        yield from blank_line_blocks(iter_lines(chunks))
+    elif separator != "file":
+        yield from separated_documents(chunks, separator)
+    else:
+        first = next(chunks, "")
+        rest = itertools.chain([first], chunks)
+        if is_wikitext(first) or is_wikitext_file(path):
+            yield from wikitext_articles(iter_lines(rest))
+        else:
+            yield "".join(rest)
+
+
+def jsonl_documents(path: Path, text_field: str, stats: SourceStats) -> Iterator[str]:
+    """The `text_field` string of every record; a record without it, or with a non-string there, is refused."""
+    for line_no, line in enumerate(iter_lines(iter_text(path, stats)), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{line_no} is not valid JSON ({e.msg}); each line of a .jsonl file must be one JSON object") from None
+        if not isinstance(record, dict) or text_field not in record:
+            raise DataError(f"{path}:{line_no} has no '{text_field}' field; name the text field with --text_field")
+        if not isinstance(record[text_field], str):
+            raise DataError(f"{path}:{line_no}: '{text_field}' holds a {type(record[text_field]).__name__}, not a string; "
+                            f"fix the record or name another field with --text_field")
+        yield record[text_field]
+
+
+def parquet_documents(path: str | Path, text_field: str, stats: SourceStats, open_file=open) -> Iterator[str]:
+    """The `text_field` column of a Parquet file (local, or a Hub file through `open_file`), row group by row group."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with open_file(path, "rb") as f:
+        pf = pq.ParquetFile(f)
+        if text_field not in pf.schema_arrow.names:
+            raise DataError(f"{path} has no '{text_field}' column (it has {pf.schema_arrow.names}); name the text column with --text_field")
+        column_type = pf.schema_arrow.field(text_field).type
+        if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
+            raise DataError(f"{path}: column '{text_field}' holds {column_type}, not strings; name the text column with --text_field")
+        row = 0
+        for group in range(pf.num_row_groups):
+            texts = pf.read_row_group(group, columns=[text_field]).column(text_field).to_pylist()
+            meta = pf.metadata.row_group(group)
+            stats.read_bytes += sum(meta.column(i).total_compressed_size for i in range(meta.num_columns))
+            for text in texts:
+                if text is None:
+                    raise DataError(f"{path}: row {row} has no '{text_field}' (null); drop the row or name another column")
+                row += 1
+                yield text
+
+
+def wikitext_text_from_rows(rows) -> str:
+    """The raw WikiText file from the Hub's rows (`Salesforce/wikitext`): one row a line, blank lines (a single space
+    in the file) stored as empty strings. Gives back the raw file byte for byte, whether rows keep their newline or not."""
+    return "".join(wikitext_lines_from_rows(rows))
+
+
+def wikitext_lines_from_rows(rows: Iterable[str]) -> Iterator[str]:
+    return ((r if r.endswith("\n") else r + "\n") if r.strip() else " \n" for r in rows)
+
+
+def is_wikitext_file(path: Path) -> bool:
+    """A file named like WikiText's own (wiki.train.raw, wiki.test.tokens, ...)."""
+    return re.fullmatch(r"wiki\.(train|valid|test)\.(raw|tokens|txt)", path.name) is not None
+
+
+def is_wikitext(text: str) -> bool:
+    return any(_WIKITEXT_TITLE.match(line) for line in text[:200_000].splitlines())
+
+
+def read_text(path: Path) -> tuple[str, int]:
+    """A whole (small) file's text as iter_text reads it, and the number of undecodable bytes replaced."""
+    stats = SourceStats()
+    return "".join(iter_text(path, stats)), stats.replaced_bytes
+
+
+def file_documents(path: Path, text_field: str, separator: str, stats: SourceStats) -> Iterator[str]:
+    if path.suffix == ".jsonl":
+        return jsonl_documents(path, text_field, stats)
+    if path.suffix == ".parquet":
+        return parquet_documents(path, text_field, stats)
+    return text_file_documents(path, separator, stats)
+
+
+def is_held_out(text: str, fraction: float) -> bool:
+    """Whether a document belongs to the held-out split: a hash of its text against `fraction`. Needs no count, so it
+    works on a stream; the same text always lands on the same side (duplicates cannot straddle the split)."""
+    digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") < fraction * 2**64
+
+
+def split_by_position(text: str, fraction: float) -> tuple[str, str]:
+    """(train, held-out) of a single-document source: its last `fraction` held out, cut at a line boundary."""
+    cut = text.rfind("\n", 0, int(len(text) * (1 - fraction)))
+    if cut <= 0 or not text[cut + 1:].strip():
+        return text, ""
+    return text[: cut + 1], text[cut + 1:]
 
 
 def harness_wikitext_pages(text: str) -> list[str]:
@@ -131,79 +344,6 @@ def read_harness_results(output_path: Path, name: str) -> dict:
     return {k.split(",")[0]: v for k, v in json.loads(results.read_text())["results"][name].items()}
 
 
-def wikitext_text_from_rows(rows) -> str:
-    """The raw WikiText file from the Hub's rows (`Salesforce/wikitext`): one row a line, blank lines (a single space
-    in the file) stored as empty strings. Gives back the raw file byte for byte, whether rows keep their newline or not."""
-    return "".join((r if r.endswith("\n") else r + "\n") if r.strip() else " \n" for r in rows)
-
-
-def is_wikitext_file(path: Path) -> bool:
-    """A file named like WikiText's own (wiki.train.raw, wiki.test.tokens, ...)."""
-    return re.fullmatch(r"wiki\.(train|valid|test)\.(raw|tokens|txt)", path.name) is not None
-
-
-def is_wikitext(text: str) -> bool:
-    return any(_WIKITEXT_TITLE.match(line) for line in text[:200_000].splitlines())
-
-
-def split_blank_line_blocks(text: str) -> list[str]:
-    """One document per block of text separated by blank lines (surrounding whitespace kept out)."""
-    return [block.strip("\n") for block in re.split(r"\n[ \t]*\n", text) if block.strip()]
-
-
-def read_text(path: Path) -> tuple[str, int]:
-    """Decode a file as UTF-8; undecodable bytes become U+FFFD. Returns (text, number of bytes replaced)."""
-    raw = path.read_bytes()
-    try:
-        return raw.decode("utf-8"), 0
-    except UnicodeDecodeError:
-        text = raw.decode("utf-8", errors="replace")
-        return text, text.count("\ufffd") - raw.decode("utf-8", errors="ignore").count("\ufffd")
-
-
-def text_file_documents(path: Path, text_blocks: bool) -> tuple[list[str], int]:
-    """Documents of one plain-text file: WikiText articles when it has WikiText titles, otherwise the whole file
-    (text_blocks=False, for training) or one document per blank-line-separated block (text_blocks=True)."""
-    text, replaced = read_text(path)
-    if is_wikitext(text):
-        return split_wikitext_articles(text), replaced
-    if text_blocks:
-        return split_blank_line_blocks(text), replaced
-    return ([text] if text.strip() else []), replaced
-
-
-def jsonl_documents(path: Path, text_field: str) -> tuple[list[str], int]:
-    text, replaced = read_text(path)
-    docs = []
-    for line_no, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{line_no} is not valid JSON ({e.msg}); each line of a .jsonl file must be one JSON object") from None
-        if not isinstance(record, dict) or text_field not in record:
-            raise DataError(f"{path}:{line_no} has no '{text_field}' field; name the text field with --text_field")
-        docs.append(str(record[text_field]))
-    return docs, replaced
-
-
-def parquet_documents(path: Path, text_field: str) -> list[str]:
-    import pyarrow.parquet as pq
-
-    schema = pq.read_schema(path)
-    if text_field not in schema.names:
-        raise DataError(f"{path} has no '{text_field}' column (it has {schema.names}); name the text column with --text_field")
-    return [str(t) for t in pq.read_table(path, columns=[text_field]).column(text_field).to_pylist() if t is not None]
-
-
-def file_documents(path: Path, text_field: str, text_blocks: bool) -> tuple[list[str], int]:
-    if path.suffix == ".jsonl":
-        return jsonl_documents(path, text_field)
-    if path.suffix == ".parquet":
-        return parquet_documents(path, text_field), 0
-    return text_file_documents(path, text_blocks)
-
 
 def python_docs_corpus() -> list[str]:
     """The built-in offline corpus: the running Python's own documentation, deterministic for a given Python.
@@ -231,9 +371,167 @@ def python_docs_corpus() -> list[str]:
     return docs
 
 
+
 # ---------------------------------------------------------------------------------------------------------------------
-# Sources: a --dataset value -> documents per split
+# Sources: a --dataset value -> its splits, each a stream of documents
 # ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class HubPreset:
+    repo: str
+    config: str | None  # the subset's directory in the repository, None when it has one subset
+    wikitext_lines: bool  # rows are WikiText lines, to be joined back into articles
+
+
+HUB_PRESETS = {
+    "wikitext-103": HubPreset("Salesforce/wikitext", "wikitext-103-raw-v1", True),
+    "wikitext-2": HubPreset("Salesforce/wikitext", "wikitext-2-raw-v1", True),
+    "openwebtext": HubPreset("Skylion007/openwebtext", None, False),
+}
+# Where a Hub dataset's Parquet files are: its own branch, else the Hub's automatic conversion (for repositories that
+# hold a loading script, which datasets >= 4 refuses to run: "Dataset scripts are no longer supported").
+HUB_REVISIONS = ("main", "refs/convert/parquet")
+
+
+@dataclasses.dataclass
+class Source:
+    """One --dataset value: each split as a function that starts a fresh stream of its documents, what the source
+    is (recorded in meta.json and the fingerprint) and what its readers tolerated."""
+
+    spec: str
+    identity: dict
+    splits: dict[str, Callable[[], Iterator[str]]]
+    stats: SourceStats
+    single_document: bool = False  # one text file read as one document: its held-out part is cut by position
+    total_bytes: int | None = None  # bytes the readers will read, when known (progress bar)
+
+
+class HubAccess:
+    """The Hugging Face Hub, as the Hub presets use it: list a revision's files, open one file of a commit."""
+
+    def list_files(self, repo: str, revision: str) -> tuple[str, list[str]] | None:
+        """(commit sha, file paths) of a dataset revision, None when the revision does not exist."""
+        from huggingface_hub import HfApi
+        from huggingface_hub.errors import RevisionNotFoundError
+
+        try:
+            info = HfApi().dataset_info(repo, revision=revision)
+        except RevisionNotFoundError:
+            return None
+        return info.sha, [s.rfilename for s in info.siblings or []]
+
+    def open(self, repo: str, commit: str, path: str):
+        from huggingface_hub import HfFileSystem
+
+        return HfFileSystem().open(f"datasets/{repo}@{commit}/{path}", "rb")
+
+
+def layout_splits(paths: list[str]) -> dict[str, list[str]]:
+    """Files by split, as the Hub lays out Parquet (and as many local corpora are laid out): a `train/`, `validation/`
+    (`valid/`), `test/` directory, or a file named `train-00000-of-00002.parquet`, `test.jsonl`, ... Other files
+    (`test_notes.txt` too) go to train. Parts of a partial conversion (`partial-train/`) are refused."""
+    by_split: dict[str, list[str]] = {}
+    for p in sorted(paths):
+        parts = PurePosixPath(p).parts
+        partial = [d for d in parts[:-1] if d.startswith("partial-")]
+        if partial:
+            raise DataError(f"{p}: '{partial[0]}' is a partial conversion of that split, not all of it; download the full split")
+        names = [d for d in parts[:-1] if d in _SPLIT_NAMES]
+        stem = re.fullmatch(r"(train|validation|valid|test)(-\d.*)?", PurePosixPath(p).stem)
+        split = _SPLIT_NAMES[names[-1]] if names else _SPLIT_NAMES[stem.group(1)] if stem else "train"
+        by_split.setdefault(split, []).append(p)
+    return by_split
+
+
+def hub_parquet_files(spec: str, hub: HubAccess) -> tuple[str, str, dict[str, list[str]]]:
+    """(revision, commit, Parquet files by split) of a Hub preset: the first revision in HUB_REVISIONS with a complete
+    set of Parquet files for the preset's subset."""
+    preset = HUB_PRESETS[spec]
+    tried = []
+    for revision in HUB_REVISIONS:
+        try:
+            listing = hub.list_files(preset.repo, revision)
+        except Exception as e:  # noqa: BLE001 - network, auth, HF_HUB_OFFLINE: all end in the same advice
+            raise DataError(f"--dataset {spec}: cannot list {preset.repo}@{revision} on the Hub ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''}); download it and pass its directory, e.g. --dataset path/to/{spec}") from None
+        if listing is None:
+            tried.append(f"{revision}: no such revision")
+            continue
+        commit, files = listing
+        files = [f for f in files if f.endswith(".parquet") and (preset.config is None or preset.config in PurePosixPath(f).parts[:-1])]
+        if not files:
+            has_script = any(f.endswith(".py") for f in listing[1])
+            tried.append(f"{revision}: no Parquet files" + (" (a loading script)" if has_script else ""))
+            continue
+        try:
+            return revision, commit, layout_splits(files)
+        except DataError as e:
+            tried.append(f"{revision}: {e}")
+    raise DataError(f"--dataset {spec}: no complete Parquet copy of {preset.repo} on the Hub ({'; '.join(tried)}); download the "
+                    f"corpus as .parquet/.jsonl/.txt files and pass their directory, e.g. --dataset path/to/{spec}")
+
+
+def hub_source(spec: str, text_field: str, hub: HubAccess | None = None) -> Source:
+    hub = hub or HubAccess()  # tests put a local stand-in in its place
+    preset = HUB_PRESETS[spec]
+    revision, commit, files = hub_parquet_files(spec, hub)
+    stats = SourceStats()
+    field = "text" if preset.wikitext_lines else text_field
+
+    def stream(paths: list[str]) -> Iterator[str]:
+        opener = lambda path, mode: hub.open(preset.repo, commit, path)  # noqa: E731
+        rows = (t for p in paths for t in parquet_documents(p, field, stats, opener))
+        if preset.wikitext_lines:
+            yield from wikitext_articles(wikitext_lines_from_rows(rows))
+        else:
+            yield from rows
+
+    identity = {"spec": spec, "kind": "hub", "dataset": preset.repo, "config": preset.config, "revision": revision,
+                "commit": commit, "files": sum(len(v) for v in files.values())}
+    return Source(spec, identity, {s: functools.partial(stream, p) for s, p in files.items()}, stats)
+
+
+def local_source(spec: str, text_field: str, separator: str) -> Source:
+    files, layout = resolve_local_files(spec)
+    stats = SourceStats()
+    all_files = [f for split in files.values() for f in split]
+    identity = {"spec": spec, "kind": "local", "layout": layout, "files": len(all_files), "sha256": sha256_files(all_files)}
+
+    def stream(paths: list[Path]) -> Iterator[str]:
+        for p in paths:
+            yield from file_documents(p, text_field, separator, stats)
+
+    single = (separator == "file" and layout == "files" and len(all_files) == 1 and all_files[0].suffix in TEXT_SUFFIXES
+              and not is_wikitext_file(all_files[0]) and not is_wikitext(_head(all_files[0])))
+    return Source(spec, identity, {s: functools.partial(stream, p) for s, p in files.items()}, stats, single,
+                  sum(f.stat().st_size for f in all_files))
+
+
+def builtin_source(spec: str) -> Source:
+    docs = python_docs_corpus()
+    identity = {"spec": spec, "kind": "builtin", "version": f"{PYTHON_DOCS_VERSION}/python-{sys.version.split()[0]}",
+                "sha256": sha256_text(docs)}
+    return Source(spec, identity, {"train": lambda: iter(docs)}, SourceStats())
+
+
+def open_source(spec: str, text_field: str = "text", separator: str = "file", hub: HubAccess | None = None) -> Source:
+    """The Source of one --dataset value. Nothing is read yet but what identifies it (local files are hashed)."""
+    if spec in BUILTIN_SOURCES:
+        return builtin_source(spec)
+    if spec in HUB_PRESETS:
+        reason = hub_unreachable_reason() if hub is None else None
+        if reason:
+            raise DataError(
+                f"--dataset {spec}: {reason}. Offline, download the dataset elsewhere and pass its local copy as "
+                f"--dataset DIR (a directory with wiki.train.raw / wiki.valid.raw / wiki.test.raw, or .txt/.jsonl/.parquet files)")
+        return hub_source(spec, text_field, hub)
+    return local_source(spec, text_field, separator)
+
+
+def _head(path: Path, n: int = 200_000) -> str:
+    with open(path, "rb") as f:
+        return f.read(n).decode("utf-8", errors="replace")
 
 
 def sha256_files(paths: list[Path]) -> str:
@@ -254,7 +552,9 @@ def sha256_text(docs: list[str]) -> str:
 
 
 def resolve_local_files(spec: str) -> tuple[dict[str, list[Path]], str]:
-    """Map a local path spec (file, directory or glob) to files per split. Returns (files by split, layout)."""
+    """Map a local path spec (file, directory or glob) to files per split. Returns (files by split, layout):
+    "wikitext" (wiki.train.* / wiki.valid.* / wiki.test.*), "splits" (train/ validation/ test/ directories or
+    train-*.parquet-style names, as on the Hub) or "files" (everything is training text)."""
     path = Path(spec).expanduser()
     if any(c in spec for c in "*?["):
         files = sorted(Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True) if Path(p).is_file())
@@ -278,21 +578,10 @@ def resolve_local_files(spec: str) -> tuple[dict[str, list[Path]], str]:
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in DATA_SUFFIXES)
         if not files:
             raise DataError(f"--dataset {spec!r}: the directory holds no {'/'.join(DATA_SUFFIXES)} file")
-        return {"train": files}, "files"
+        named = layout_splits([p.relative_to(path).as_posix() for p in files])
+        return {s: [path / p for p in v] for s, v in named.items()}, "splits" if set(named) != {"train"} else "files"
     known = ", ".join(list(HUB_PRESETS) + list(BUILTIN_SOURCES))
     raise DataError(f"--dataset {spec!r} is neither an existing file, directory or glob nor a known preset ({known})")
-
-
-def source_identity(spec: str) -> dict:
-    """What a source is, cheaply (no tokenizing): used to decide whether prepared data is up to date."""
-    if spec in BUILTIN_SOURCES:
-        return {"spec": spec, "kind": "builtin", "version": f"{PYTHON_DOCS_VERSION}/python-{sys.version.split()[0]}"}
-    if spec in HUB_PRESETS:
-        name, config, _ = HUB_PRESETS[spec]
-        return {"spec": spec, "kind": "hub", "dataset": name, "config": config}
-    files, layout = resolve_local_files(spec)
-    all_files = [f for split in files.values() for f in split]
-    return {"spec": spec, "kind": "local", "layout": layout, "files": len(all_files), "sha256": sha256_files(all_files)}
 
 
 def hub_unreachable_reason() -> str | None:
@@ -307,75 +596,34 @@ def hub_unreachable_reason() -> str | None:
         return f"cannot reach {endpoint.hostname} ({e.strerror or e})"
 
 
-def load_hub_preset(spec: str) -> dict[str, list[str] | object]:
-    reason = hub_unreachable_reason()
-    if reason:
-        raise DataError(
-            f"--dataset {spec}: {reason}. Offline, download the dataset elsewhere and pass its local copy "
-            f"(e.g. a directory with wiki.train.raw / wiki.valid.raw / wiki.test.raw, or .txt/.jsonl/.parquet files), "
-            f"or set HF_HUB_OFFLINE=1 to use the Hugging Face cache"
-        )
-    from datasets import load_dataset
-
-    name, config, _ = HUB_PRESETS[spec]
-    return hub_documents(spec, load_dataset(name, config))
-
-
-def hub_documents(spec: str, dsd) -> dict[str, list[str] | object]:
-    """Documents per split of a Hub preset's DatasetDict: WikiText rows (lines) rejoined into the raw file and split
-    into articles exactly as a local copy of the file is; other corpora keep their Arrow-backed `text` column."""
-    wikitext_lines = HUB_PRESETS[spec][2]
-    out: dict[str, object] = {}
-    for split, ds in dsd.items():
-        split = {"valid": "validation"}.get(split, split)
-        out[split] = split_wikitext_articles(wikitext_text_from_rows(ds["text"])) if wikitext_lines else ds.select_columns(["text"])
-    return out
-
-
-def load_source(spec: str, text_field: str = "text", text_blocks: bool = False, identity: dict | None = None) -> tuple[dict, dict]:
-    """Documents per split of one --dataset value, and a record of the source for meta.json (starting from
-    `identity`, the source_identity of the spec, when the caller has already computed it).
-
-    Splits are lists of strings, or (large Hub corpora) `datasets.Dataset`s with a `text` column.
-    """
-    record = dict(identity) if identity is not None else source_identity(spec)
-    replaced = 0
-    if spec == "python-docs":
-        by_split: dict = {"train": python_docs_corpus()}
-    elif spec in HUB_PRESETS:
-        by_split = load_hub_preset(spec)
-    else:
-        files, _ = resolve_local_files(spec)
-        by_split = {}
-        for split, paths in files.items():
-            docs: list[str] = []
-            for p in paths:
-                file_docs, n = file_documents(p, text_field, text_blocks)
-                docs.extend(file_docs)
-                replaced += n
-            by_split[split] = docs
-    if spec in BUILTIN_SOURCES:
-        record["sha256"] = sha256_text(by_split["train"])
-    record["replaced_bytes"] = replaced
-    return by_split, record
-
-
-def held_out_indices(n_docs: int, fraction: float) -> list[int]:
-    """A deterministic, evenly spread held-out slice: round(n * fraction) documents (at least 1, at most n - 1)."""
-    if n_docs < 2 or fraction <= 0:
-        return []
-    k = min(n_docs - 1, max(1, round(n_docs * fraction)))
-    return sorted({int(i * n_docs / k + n_docs / (2 * k)) for i in range(k)})
-
-
-def split_held_out(docs, fraction: float):
-    """(train, held_out) from one list or Dataset of documents."""
-    held = held_out_indices(len(docs), fraction)
-    held_set = set(held)
-    keep = [i for i in range(len(docs)) if i not in held_set]
-    if isinstance(docs, list):
-        return [docs[i] for i in keep], [docs[i] for i in held]
-    return docs.select(keep), docs.select(held)
+def synthetic_web_documents(n_bytes: int, seed: int = 0) -> Iterator[str]:
+    """Web-like documents for benchmarks and tests, about n_bytes of UTF-8 in all, deterministic for a seed: a long
+    tail of lengths, paragraphs, 30,000 made-up words drawn with Zipf frequencies, numbers, URLs and some non-ASCII
+    text (accents, CJK, Cyrillic, Arabic, emoji)."""
+    rng = np.random.default_rng(seed)
+    syllables = [c + v for c in ["", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "st", "tr", "ch"]
+                 for v in ["a", "e", "i", "o", "u", "ai", "ou", "er", "an", "in"]]
+    lengths = rng.integers(1, 5, 30_000)
+    vocab = np.array(["".join(syllables[j] for j in rng.integers(0, len(syllables), n)) for n in lengths])
+    cdf = np.cumsum(1 / np.arange(1, len(vocab) + 1))
+    cdf /= cdf[-1]
+    extra = ["café", "naïve", "Zürich", "São Paulo", "東京", "数据", "モデル", "Привет", "مرحبا", "🙂", "→", "€12.50"]
+    done = 0
+    while done < n_bytes:
+        paragraphs = []
+        for _ in range(int(rng.integers(1, 12))):
+            n = int(rng.lognormal(3.8, 0.8)) + 3
+            words = vocab[np.minimum(np.searchsorted(cdf, rng.random(n)), len(vocab) - 1)].tolist()
+            for j in np.nonzero(rng.random(n) < 0.03)[0]:
+                words[j] = extra[int(rng.integers(0, len(extra)))]
+            for j in np.nonzero(rng.random(n) < 0.02)[0]:
+                words[j] = str(int(rng.integers(0, 10**6))) if rng.random() < 0.7 else f"https://example.org/{int(rng.integers(0, 10**5))}"
+            for j in np.nonzero(rng.random(n) < 0.06)[0]:
+                words[j] += ","
+            paragraphs.append(" ".join(words).capitalize() + ".")
+        doc = "\n\n".join(paragraphs)
+        done += len(doc.encode("utf-8"))
+        yield doc
 
 
 # ---------------------------------------------------------------------------------------------------------------------

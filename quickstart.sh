@@ -16,7 +16,7 @@ else
     PRECISION=(); echo "quickstart: this CPU has no bf16 units (no AMX, no AVX512-BF16): training in fp32"
 fi
 
-python prepare_data.py --dataset python-docs --tokenizer bpe:4096 --output_dir "$DATA" --validation_fraction 0.05
+python prepare_data.py --dataset python-docs --tokenizer bpe:4096 --output_dir "$DATA" --validation_fraction 0.05 --overwrite
 rm -rf "$OUT"  # a fresh demo each time; real runs continue with --resume auto instead
 accelerate launch --config_file accelerate_configs/zero3_cpu.yaml "${PRECISION[@]}" train.py \
     --data_dir "$DATA" --model_config mini --output_dir "$OUT" \

@@ -72,3 +72,42 @@ def train_py_rate(launcher: list[str], data: Path, out: Path, model_config: str,
     records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in l][1:]
     return {"tokens_per_s": sum(r["tokens_per_s"] for r in records) / len(records), "mfu": sum(r["mfu"] for r in records) / len(records),
             "distributed_type": plan.group(2), "precision": plan.group(3)}
+
+
+def _raw_encode(tokenizer_json: str, docs: list[str], ready, go, results) -> None:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(tokenizer_json)
+    ready.put(None)
+    go.wait()
+    n = sum(len(e.ids) for i in range(0, len(docs), 1000) for e in tok.encode_batch_fast(docs[i:i + 1000], add_special_tokens=False))
+    results.put((n, time.monotonic()))
+
+
+def raw_tokenizer_rate(tokenizer_json: Path, docs: list[str], processes: int) -> tuple[float, int]:
+    """(tokens/s, tokens) of the raw `tokenizers` batch encode over docs: one process with the tokenizer's own threads,
+    or `processes` spawned processes with a share each (threads off), timed from a common start signal, once each
+    has its share and its tokenizer, to the last one's end."""
+    from multiprocessing import get_context
+
+    os.environ["TOKENIZERS_PARALLELISM"] = "true" if processes == 1 else "false"
+    if processes == 1:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(tokenizer_json))
+        t0 = time.perf_counter()
+        n = sum(len(e.ids) for i in range(0, len(docs), 1000) for e in tok.encode_batch_fast(docs[i:i + 1000], add_special_tokens=False))
+        return n / (time.perf_counter() - t0), n
+    ctx = get_context("spawn")
+    ready, go, results = ctx.Queue(), ctx.Event(), ctx.Queue()
+    workers = [ctx.Process(target=_raw_encode, args=(str(tokenizer_json), docs[i::processes], ready, go, results)) for i in range(processes)]
+    for w in workers:
+        w.start()
+    for _ in workers:
+        ready.get()
+    t0 = time.monotonic()
+    go.set()
+    done = [results.get() for _ in workers]
+    for w in workers:
+        w.join()
+    return sum(n for n, _ in done) / (max(t for _, t in done) - t0), sum(n for n, _ in done)

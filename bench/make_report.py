@@ -7,12 +7,17 @@ import json
 
 from common import REPO, RESULTS
 
-ORDER = ["prepare_vs_tokenizer", "prepare_vs_tokenizer_wikitext2", "train_throughput", "zero3_vs_ddp", "eval_throughput",
+ORDER = ["prepare_vs_tokenizer", "prepare_vs_tokenizer_wikitext2", "prepare_scale", "train_throughput", "zero3_vs_ddp", "eval_throughput",
          "eval_vs_harness", "planner_memory"]
-# (result, what, key, target): every ratio is "at least" its target.
+# (result, what, key, target): a ratio is "at least" its target; a negative target -t means "at most" t.
 SUMMARY = [
     ("prepare_vs_tokenizer", "prepare_data.py / raw tokenizers batch-encode (tokens/s), python-docs", "ratio", 0.7),
     ("prepare_vs_tokenizer_wikitext2", "prepare_data.py / raw tokenizers batch-encode (tokens/s), WikiText-2 train", "ratio", 0.7),
+    ("prepare_scale", "prepare_data.py / raw tokenizers batch-encode (tokens/s), 2 processes each, 200 MB web-like .jsonl",
+     "ratio_tokens_per_s", 0.8),
+    ("prepare_scale", "prepare_data.py peak RSS (process tree), 1 GB corpus / 200 MB corpus", "ratio_peak_rss_large_over_small", -1.25),
+    ("prepare_scale", "prepare_data.py peak RSS (process tree) at 1 GB, MiB", "peak_rss_large_mib", -2048),
+    ("prepare_scale", "prepare_data.py temporary disk beyond its output / output size", "temp_disk_fraction", -0.1),
     ("train_throughput", "train.py / bare Accelerate + DeepSpeed loop, 3 CPU processes, ZeRO-3 (tokens/s)",
      "ratio_train_py_vs_bare_accelerate_deepspeed", 0.97),
     ("train_throughput", "train.py (1 process) / bare PyTorch loop (tokens/s)", "ratio_train_py_vs_bare", 0.9),
@@ -35,12 +40,12 @@ def fmt(x):
 def summary_row(results: dict, name: str, what: str, key: str, target: float) -> str:
     r = results.get(name)
     if r is None:
-        return f"| {what} | not run | >= {target} | | | |"
+        return f"| {what} | not run | {target} | | | |"
     if "not_measured" in r:
-        return f"| {what} | not measured: {r['not_measured']} | >= {target} | | {r['machine']} | |"
+        return f"| {what} | not measured: {r['not_measured']} | {target} | | {r['machine']} | |"
     value = r[key]
-    return (f"| {what} | {value:.3f} | >= {target} | {'yes' if value >= target else '**no**'} | {r['machine']} | "
-            f"`{r['command']}` |")
+    met, bound = (value >= target, f">= {target}") if target >= 0 else (value <= -target, f"<= {-target}")
+    return f"| {what} | {fmt(value)} | {bound} | {'yes' if met else '**no**'} | {r['machine']} | `{r['command']}` |"
 
 
 def main():
@@ -66,7 +71,10 @@ def main():
         for k, v in r.items():
             if k in ("name", "command", "machine", "date"):
                 continue
-            if isinstance(v, list) and v and isinstance(v[0], dict):
+            if isinstance(v, dict) and v and all(isinstance(x, dict) for x in v.values()):
+                for kk, row in v.items():
+                    lines.append(f"| {k}[{kk}] | " + ", ".join(f"{a} {fmt(b)}" for a, b in row.items() if a != "summary") + " |")
+            elif isinstance(v, list) and v and isinstance(v[0], dict):
                 for i, row in enumerate(v):
                     lines.append(f"| {k}[{i}] | " + ", ".join(f"{kk} {fmt(vv)}" for kk, vv in row.items()) + " |")
             else:

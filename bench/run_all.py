@@ -4,7 +4,7 @@
 
 Clears bench/results/ first, so no row carries a number from an earlier run or another machine: a benchmark that
 cannot run here (no local WikiText-2, no GPU) is recorded as not measured, with the reason, and its row says so.
-Takes about 40 minutes on a 2-core machine.
+Takes about an hour on a 2-core machine (prepare_scale: 20 minutes).
 """
 
 import argparse
@@ -20,6 +20,7 @@ WIKITEXT2 = os.path.relpath(os.environ.get("WIKITEXT2_DIR", REPO.parent / "share
 BENCHMARKS = [  # (result name, command)
     ("prepare_vs_tokenizer", ["bench/prepare_vs_tokenizer.py"]),
     ("prepare_vs_tokenizer_wikitext2", ["bench/prepare_vs_tokenizer.py", "--dataset", WIKITEXT2, "--name", "prepare_vs_tokenizer_wikitext2"]),
+    ("prepare_scale", ["bench/prepare_scale.py"]),
     ("train_throughput", ["bench/train_throughput.py"]),
     ("zero3_vs_ddp", ["bench/zero3_vs_ddp.py"]),
     ("eval_throughput", ["bench/eval_throughput.py"]),

@@ -1,6 +1,7 @@
 """prepare_data.py and the data format (lmdata.py): pure functions, real runs, and every bad input."""
 
 import json
+import os
 import shutil
 import sys
 import time
@@ -10,7 +11,7 @@ import pytest
 
 import lmdata
 import prepare_data
-from conftest import WIKITEXT2, needs_wikitext, run
+from conftest import REPO, WIKITEXT2, needs_wikitext, run
 
 PREPARE = [sys.executable, "prepare_data.py"]
 WIKI = " \n = Alpha = \n \n Alpha text . \n \n = = Section = = \n \n More alpha . \n \n = Beta = \n \n Beta text . \n"
@@ -35,12 +36,15 @@ def test_token_dtype_boundary():
     assert lmdata.token_dtype(102400) == np.uint32
 
 
-def test_held_out_slice_is_deterministic_and_sized():
-    assert lmdata.held_out_indices(100, 0.05) == lmdata.held_out_indices(100, 0.05)
-    assert len(lmdata.held_out_indices(100, 0.05)) == 5
-    assert len(lmdata.held_out_indices(10, 0.01)) == 1  # at least one document
-    train, held = lmdata.split_held_out([str(i) for i in range(20)], 0.1)
-    assert len(train) == 18 and len(held) == 2 and not set(train) & set(held)
+def test_held_out_rule_needs_no_count_and_is_deterministic():
+    docs = [f"document {i} " * (1 + i % 7) for i in range(20_000)]
+    held = [d for d in docs if lmdata.is_held_out(d, 0.05)]
+    assert 0.045 < len(held) / len(docs) < 0.055  # the fraction, on a stream of unknown length
+    assert held == [d for d in docs if lmdata.is_held_out(d, 0.05)]  # the same split every time
+    assert all(lmdata.is_held_out(d, 0.1) for d in held)  # a larger fraction only adds documents
+    train, val = lmdata.split_by_position("line one\nline two\nline three\nline four\n", 0.25)
+    assert train == "line one\nline two\nline three\n" and val == "line four\n"
+    assert lmdata.split_by_position("no line end at all", 0.3) == ("no line end at all", "")
 
 
 def test_windows_and_sample_order():
@@ -113,15 +117,19 @@ def test_second_identical_run_is_a_no_op(docs_data):
     before = (docs_data / "train.bin").stat().st_mtime_ns
     t0 = time.perf_counter()
     proc = run(PREPARE + ["--dataset", "python-docs", "--tokenizer", "bpe:512", "--output_dir", docs_data,
-                          "--validation_fraction", "0.05", "--num_proc", "2"])
-    assert "up to date" in proc.stdout
+                          "--validation_fraction", "0.05", "--num_proc", "2", "--overwrite"])
+    assert "up to date" in proc.stdout  # --overwrite replaces only data prepared from other inputs
     assert (docs_data / "train.bin").stat().st_mtime_ns == before
     assert time.perf_counter() - t0 < 60  # seconds, not a re-tokenization (generous: a loaded CI machine)
 
 
-def test_other_inputs_need_overwrite(docs_data):
+def test_other_inputs_need_overwrite(docs_data, tmp_path):
     proc = run(PREPARE + ["--dataset", "python-docs", "--tokenizer", "bpe:600", "--output_dir", docs_data], check=False)
     assert proc.returncode == 2 and "--overwrite" in proc.stderr
+    copy = tmp_path / "copy"
+    shutil.copytree(docs_data, copy)
+    run(PREPARE + ["--dataset", "python-docs", "--tokenizer", "bpe:600", "--output_dir", copy, "--overwrite"])
+    assert lmdata.read_meta(copy)["vocab_size"] == 600 and not list(tmp_path.glob(".copy*"))
 
 
 @needs_wikitext
@@ -149,74 +157,237 @@ def test_wikitext2_round_trip_and_counts(tmp_path):
         assert meta["splits"][split]["documents"] == len(docs)
 
 
+class LocalHub(lmdata.HubAccess):
+    """The Hub's file listing and file reads served from a local directory laid out like the Hub, one folder per
+    revision (ROOT/main/..., ROOT/refs/convert/parquet/...): everything of a Hub preset but the HTTP requests."""
+
+    def __init__(self, root):
+        self.root = root
+
+    def list_files(self, repo, revision):
+        base = self.root / revision
+        if not base.is_dir():
+            return None
+        return f"sha-of-{revision}", sorted(p.relative_to(base).as_posix() for p in base.rglob("*") if p.is_file())
+
+    def open(self, repo, commit, path):
+        return open(self.root / commit.removeprefix("sha-of-") / path, "rb")
+
+
+def write_parquet(path, rows):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"text": rows}), path, row_group_size=7)
+
+
+def test_openwebtext_preset_falls_back_to_the_hubs_parquet_conversion(tmp_path, monkeypatch, capsys):
+    """Skylion007/openwebtext's main branch holds a loading script (refused by datasets >= 4): the preset reads the
+    Hub's Parquet conversion instead, through the whole prepare_data.py pipeline, and records the commit it read."""
+    (tmp_path / "hub" / "main").mkdir(parents=True)
+    (tmp_path / "hub" / "main" / "openwebtext.py").write_text("# a loading script\n")
+    docs = list(lmdata.synthetic_web_documents(300_000, seed=1))
+    write_parquet(tmp_path / "hub" / "refs/convert/parquet" / "plain_text/train/0000.parquet", docs[: len(docs) // 2])
+    write_parquet(tmp_path / "hub" / "refs/convert/parquet" / "plain_text/train/0001.parquet", docs[len(docs) // 2:])
+    monkeypatch.setattr(lmdata, "HubAccess", lambda: LocalHub(tmp_path / "hub"))
+    monkeypatch.setattr(lmdata, "hub_unreachable_reason", lambda: None)
+    out = tmp_path / "owt"
+    assert prepare_data.main(["--dataset", "openwebtext", "--tokenizer", "bpe:300", "--output_dir", str(out),
+                              "--num_proc", "1", "--validation_fraction", "0.05"]) == 0
+    meta = lmdata.read_meta(out)
+    (source,) = meta["sources"]
+    assert (source["revision"], source["commit"], source["files"]) == ("refs/convert/parquet", "sha-of-refs/convert/parquet", 2)
+    assert sum(source["documents"].values()) == len(docs) and source["documents"]["validation"] > 0
+    held = [json.loads(line)["text"] for line in (out / "validation.jsonl").read_text().splitlines()]
+    assert held == [d for d in docs if lmdata.is_held_out(d, 0.05)]
+
+    # only a partial conversion, and a script on main: one line that says what to download and how to pass it
+    shutil.move(tmp_path / "hub" / "refs/convert/parquet" / "plain_text/train", tmp_path / "hub" / "refs/convert/parquet" / "plain_text/partial-train")
+    assert prepare_data.main(["--dataset", "openwebtext", "--tokenizer", "bpe:300", "--output_dir", str(tmp_path / "o2")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "partial" in err and "loading script" in err and "--dataset path/to/openwebtext" in err
+    assert not (tmp_path / "o2").exists() and not (tmp_path / ".o2.partial").exists()
+
+
 @needs_wikitext
 def test_hub_wikitext_rows_give_the_documents_of_the_local_file(tmp_path):
     """Salesforce/wikitext stores a row per line with blank lines as empty strings: a Parquet fixture in that layout
-    goes through the same code as a Hub download and must give the local raw file's documents byte for byte."""
-    import datasets
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
+    goes through the Hub preset's code and must give the local raw file's documents byte for byte."""
     raw = (WIKITEXT2 / "wiki.test.raw").read_text(encoding="utf-8")
     rows = [line + "\n" if line.strip() else "" for line in raw.split("\n")[:-1]]
     assert len(rows) == 4358  # the Hub's row count for this split
-    shard = tmp_path / "wikitext-2-raw-v1" / "test-00000-of-00001.parquet"
-    shard.parent.mkdir()
-    pq.write_table(pa.table({"text": rows}), shard)
-    dsd = datasets.load_dataset("parquet", data_files={"test": str(shard)}, cache_dir=str(tmp_path / "cache"))
-    hub = lmdata.hub_documents("wikitext-2", dsd)["test"]
-    local, _ = lmdata.load_source(str(WIKITEXT2 / "wiki.test.raw"))
-    assert hub == local["train"] and len(hub) == 62
+    write_parquet(tmp_path / "main" / "wikitext-2-raw-v1" / "test-00000-of-00001.parquet", rows)
+    write_parquet(tmp_path / "main" / "wikitext-103-raw-v1" / "test-00000-of-00001.parquet", ["not this subset\n"])
+    hub = lmdata.open_source("wikitext-2", hub=LocalHub(tmp_path))
+    assert list(hub.splits) == ["test"] and hub.identity["revision"] == "main"
+    local = lmdata.open_source(str(WIKITEXT2 / "wiki.test.raw"))
+    docs = list(hub.splits["test"]())
+    assert docs == list(local.splits["train"]()) and len(docs) == 62
 
 
-def test_several_sources_jsonl_parquet_and_replaced_bytes(tmp_path):
+def test_layout_splits_reads_hub_and_local_layouts():
+    assert lmdata.layout_splits(["plain_text/train/0000.parquet", "plain_text/validation/0000.parquet"]) == {
+        "train": ["plain_text/train/0000.parquet"], "validation": ["plain_text/validation/0000.parquet"]}
+    assert lmdata.layout_splits(["w/test-00000-of-00001.parquet", "w/train-00000-of-00002.parquet", "w/valid.jsonl"]) == {
+        "test": ["w/test-00000-of-00001.parquet"], "train": ["w/train-00000-of-00002.parquet"], "validation": ["w/valid.jsonl"]}
+    assert lmdata.layout_splits(["a.txt", "notes/b.txt", "test_notes.txt"]) == {"train": ["a.txt", "notes/b.txt", "test_notes.txt"]}
+    with pytest.raises(lmdata.DataError, match="partial"):
+        lmdata.layout_splits(["plain_text/partial-train/0000.parquet"])
+
+
+def test_several_sources_jsonl_parquet_and_tolerated_input(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"body": f"record {i} " * 20}) + "\n" for i in range(30)))
-    pq.write_table(pa.table({"body": [f"row {i} " * 20 for i in range(20)]}), tmp_path / "b.parquet")
-    (tmp_path / "c.txt").write_bytes(b"plain text with a bad byte \xff here\n" * 20)
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"body": f"record {i} " * 20}) + "\n" for i in range(60)))
+    pq.write_table(pa.table({"body": [f"row {i} " * 20 for i in range(60)]}), tmp_path / "b.parquet")
+    (tmp_path / "c.txt").write_bytes(b"\xef\xbb\xbf" + b"plain text with a bad byte \xff here\r\n" * 20)
     out = tmp_path / "out"
     proc = run(PREPARE + ["--dataset", str(tmp_path / "a.jsonl"), "--dataset", str(tmp_path / "b.parquet"),
                           "--dataset", str(tmp_path / "c.txt"), "--text_field", "body", "--tokenizer", "bpe:300",
                           "--output_dir", out, "--validation_fraction", "0.1"])
     meta = lmdata.read_meta(out)
-    docs = meta["splits"]["train"]["documents"] + meta["splits"]["validation"]["documents"]
-    assert docs == 30 + 20 + 1  # a .txt file is one document
-    assert [s["replaced_bytes"] for s in meta["sources"]] == [0, 0, 20]
-    assert "20 undecodable bytes" in proc.stderr
+    assert [sum(s["documents"].values()) for s in meta["sources"]] == [60, 60, 2]  # c.txt: one document, cut in two
+    c = meta["sources"][2]
+    assert (c["replaced_bytes"], c["crlf_line_ends"], c["bom_files"]) == (20, 20, 1)
+    assert "20 replaced bytes, 20 crlf line ends, 1 bom files" in proc.stderr
+    held = [json.loads(line)["text"] for line in (out / "validation.jsonl").read_text().splitlines()]
+    assert held[-1] == "plain text with a bad byte \ufffd here\n" * 2  # the file's last 10%, at a line end, LF only
+
+
+def test_one_big_text_file_with_a_document_separator(tmp_path):
+    docs = list(lmdata.synthetic_web_documents(200_000, seed=2))
+    (tmp_path / "owt_sample.txt").write_text("\n\n\n".join(docs) + "\n")
+    (tmp_path / "eot.txt").write_text("<|endoftext|>".join(docs))
+    for name, separator in (("owt_sample.txt", "blank_line"), ("eot.txt", "<|endoftext|>")):
+        out = tmp_path / f"out-{separator[:5]}"
+        run(PREPARE + ["--dataset", str(tmp_path / name), "--doc_separator", separator, "--tokenizer", "bpe:300",
+                       "--output_dir", out, "--validation_fraction", "0.1"])
+        meta = lmdata.read_meta(out)
+        expected = [p for d in docs for p in d.split("\n\n")] if separator == "blank_line" else docs
+        assert sum(s["documents"] for s in meta["splits"].values()) == len(expected), separator
+
+
+def web_corpus(path, n_bytes):
+    path.write_text("".join(json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in lmdata.synthetic_web_documents(n_bytes)))
+    return path
+
+
+def test_same_bytes_whatever_num_proc(docs_data, tmp_path):
+    """Many batches per split (4 MB of text, batches of ~1 MB or 1000 documents), tokenized in this process or in
+    two worker processes: the same bytes."""
+    corpus = web_corpus(tmp_path / "web.jsonl", 4_000_000)
+    outs = []
+    for n in (1, 2):
+        outs.append(tmp_path / f"np{n}")
+        run(PREPARE + ["--dataset", corpus, "--tokenizer", docs_data / "tokenizer", "--output_dir", outs[-1], "--num_proc", str(n)])
+    for name in ("train.bin", "validation.bin", "validation.jsonl", "tokenizer/tokenizer.json"):
+        assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
+    a, b = (json.loads((d / "meta.json").read_text()) for d in outs)
+    assert {k: v for k, v in a.items() if k != "command"} == {k: v for k, v in b.items() if k != "command"}
+
+
+def test_killed_run_resumes_from_its_checkpoint_to_identical_bytes(docs_data, tmp_path):
+    """SIGKILL mid-run (tokenizer processes too), run the same command again: it continues from the last checkpoint,
+    and the directory it finishes is byte-identical to an uninterrupted run's."""
+    import signal
+    import subprocess
+
+    corpus = web_corpus(tmp_path / "web.jsonl", 6_000_000)
+    out = tmp_path / "out"
+    cmd = PREPARE + ["--dataset", str(corpus), "--tokenizer", str(docs_data / "tokenizer"), "--output_dir", str(out),
+                     "--checkpoint_mb", "1", "--num_proc", "2"]
+    run(cmd)
+    reference = tmp_path / "reference"
+    out.rename(reference)
+
+    partial = tmp_path / ".out.partial"
+
+    def written_past_checkpoint() -> bool:  # train.bin holds tokens the last checkpoint does not cover
+        progress = json.loads((partial / "progress.json").read_text())
+        return (partial / "train.bin").stat().st_size > 2 * progress["splits"]["train"]["tokens"]  # uint16 ids
+
+    for attempt in range(5):  # a checkpoint can land between seeing the extra tokens and the kill: then again
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                if written_past_checkpoint():
+                    break
+            except (OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.01)
+        assert proc.poll() is None, "finished before the kill: make the corpus larger"
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        if written_past_checkpoint():  # the rerun must cut those tokens off, not keep them
+            break
+    assert not out.exists() and written_past_checkpoint()
+    done = json.loads((partial / "progress.json").read_text())["position"]["documents"]
+
+    again = run(cmd)
+    assert f"resuming {partial} from its last checkpoint" in again.stdout and f"{done:,} documents in" in again.stdout
+    assert not partial.exists()
+    files = sorted(p.relative_to(reference) for p in reference.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(out) for p in out.rglob("*") if p.is_file())
+    for name in files:
+        assert (out / name).read_bytes() == (reference / name).read_bytes(), name
+
+
+def test_overwrite_deletes_only_what_prepare_data_wrote(docs_data, tmp_path):
+    project = tmp_path / "project"
+    shutil.copytree(docs_data, project)
+    (project / "notes.md").write_text("my notes")  # a user's file beside the prepared data
+    (project / "src").mkdir()
+    proc = run(PREPARE + ["--dataset", "python-docs", "--tokenizer", "bpe:512", "--output_dir", project, "--overwrite"], check=False)
+    assert proc.returncode == 2 and "notes.md, src" in proc.stderr and "nothing was deleted" in proc.stderr
+    assert (project / "notes.md").read_text() == "my notes" and (project / "train.bin").is_file()
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "meta.json").write_text('{"name": "some other tool"}')
+    proc = run(PREPARE + ["--dataset", "python-docs", "--output_dir", home, "--overwrite"], check=False)
+    assert proc.returncode == 2 and "no meta.json of prepare_data.py" in proc.stderr
+    assert (home / "meta.json").read_text() == '{"name": "some other tool"}'
 
 
 # --- bad input: one-line error, exit 2, nothing written ---------------------------------------------------------------
 
 def bad_inputs(tmp_path):
     (tmp_path / "empty.txt").write_text("")
-    (tmp_path / "nofield.jsonl").write_text('{"content": "x"}\n')
+    (tmp_path / "nofield.jsonl").write_text('{"text": "fine"}\n{"content": "x"}\n')
+    (tmp_path / "number.jsonl").write_text('{"text": "fine"}\n{"text": 42}\n')
+    (tmp_path / "utf16.txt").write_text("some text\n" * 50, encoding="utf-16")
+    (tmp_path / "few.jsonl").write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(3)))
     wiki = tmp_path / "wiki"
     wiki.mkdir()
     (wiki / "wiki.train.raw").write_text(WIKI * 5)
     (wiki / "wiki.valid.raw").write_text(" \n")
     return {
         "missing path": (["--dataset", str(tmp_path / "nope.txt")], "neither an existing file"),
-        "empty corpus": (["--dataset", str(tmp_path / "empty.txt")], "empty corpus"),
-        "empty split": (["--dataset", str(wiki)], "validation split is empty"),
-        "no text field": (["--dataset", str(tmp_path / "nofield.jsonl")], "no 'text' field"),
+        "empty file": (["--dataset", str(tmp_path / "empty.txt")], "empty.txt is empty"),
+        "whitespace-only split": (["--dataset", str(wiki)], "wiki.valid.raw is empty (whitespace only)"),
+        "no text field": (["--dataset", str(tmp_path / "nofield.jsonl")], "nofield.jsonl:2 has no 'text' field"),
+        "non-string text": (["--dataset", str(tmp_path / "number.jsonl")], "number.jsonl:2: 'text' holds a int"),
+        "utf-16": (["--dataset", str(tmp_path / "utf16.txt")], "utf16.txt is UTF-16"),
+        "empty validation": (["--dataset", str(tmp_path / "few.jsonl"), "--validation_fraction", "0.01"],
+                             "none of its 3 documents fell in the validation split"),
         "unknown preset": (["--dataset", "wikitext-5"], "known preset"),
         "bpe not a number": (["--dataset", "python-docs", "--tokenizer", "bpe:lots"], "bpe: takes a vocabulary size"),
         "hub offline": (["--dataset", "wikitext-103"], "local copy"),
     }
 
 
-@pytest.mark.parametrize("case", ["missing path", "empty corpus", "empty split", "no text field", "unknown preset",
-                                  "bpe not a number", "hub offline"])
+@pytest.mark.parametrize("case", ["missing path", "empty file", "whitespace-only split", "no text field", "non-string text",
+                                  "utf-16", "empty validation", "unknown preset", "bpe not a number", "hub offline"])
 def test_bad_input_fails_cleanly(tmp_path, case):
     args, message = bad_inputs(tmp_path)[case]
     out = tmp_path / "out"
     before = sorted(p.name for p in tmp_path.iterdir())
     t0 = time.perf_counter()
     # HF_ENDPOINT at a closed local port: "offline" on any machine, and it must fail fast, not retry for minutes.
-    proc = run(PREPARE + args + ["--output_dir", out], check=False,
-               env={"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0"})
+    proc = run(PREPARE + args + ["--output_dir", out, "--tokenizer", "bpe:300"] if "--tokenizer" not in args else PREPARE + args + ["--output_dir", out],
+               check=False, env={"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0"})
     assert proc.returncode == 2, proc.stderr
     lines = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
     assert len(lines) == 1 and message in lines[0], proc.stderr
@@ -225,11 +396,8 @@ def test_bad_input_fails_cleanly(tmp_path, case):
     assert time.perf_counter() - t0 < 60
 
 
-def test_bpe_trains_from_lists_and_arrow_datasets():
-    import datasets
-
-    arrow = datasets.Dataset.from_dict({"text": ["hello world " * 50, "another document " * 40] * 10})
-    tok = prepare_data.load_tokenizer("bpe:300", [arrow, ["a plain list document"]])
+def test_bpe_trains_from_a_stream_of_documents():
+    tok = prepare_data.load_tokenizer("bpe:300", iter(["hello world " * 50, "another document " * 40] * 10))
     assert tok.eos_token == prepare_data.BPE_EOS and tok.bos_token_id == tok.eos_token_id
     text = "hello world, another document!\n  spaced"
     assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text  # byte-level: exact round trip

@@ -93,7 +93,7 @@ def test_bad_inputs(small_model, tmp_path):
     cases = [
         (["--model", str(tmp_path), "--dataset", str(tmp_path / "ok.txt")], "not a model directory"),
         (["--model", str(tiny_vocab), "--tokenizer", str(small_model), "--dataset", str(tmp_path / "ok.txt")], "vocab_size is 64"),
-        (["--model", str(small_model), "--dataset", str(tmp_path / "empty.txt")], "holds no documents"),
+        (["--model", str(small_model), "--dataset", str(tmp_path / "empty.txt")], "empty.txt is empty (whitespace only)"),
         (["--model", str(small_model), "--dataset", str(tmp_path / "ok.txt"), "--max_length", "16", "--stride", "32"], "--stride 32 must be between 1 and --max_length 16"),
     ]
     for args, message in cases:
