@@ -512,7 +512,14 @@ def builtin_source(spec: str) -> Source:
     docs = python_docs_corpus()
     identity = {"spec": spec, "kind": "builtin", "version": f"{PYTHON_DOCS_VERSION}/python-{sys.version.split()[0]}",
                 "sha256": sha256_text(docs)}
-    return Source(spec, identity, {"train": lambda: iter(docs)}, SourceStats())
+    stats = SourceStats()
+
+    def stream() -> Iterator[str]:
+        for d in docs:
+            stats.read_bytes += len(d.encode("utf-8"))
+            yield d
+
+    return Source(spec, identity, {"train": stream}, stats, total_bytes=sum(len(d.encode("utf-8")) for d in docs))
 
 
 def open_source(spec: str, text_field: str = "text", separator: str = "file", hub: HubAccess | None = None) -> Source:

@@ -61,7 +61,7 @@ class Config:
     text_field: str = dataclasses.field(default="text", metadata={"help": "field holding the text in .jsonl records and .parquet files"})
     doc_separator: str = dataclasses.field(default="file", metadata={"help": "how a .txt/.raw file splits into documents: file (one per file; WikiText files into articles), blank_line, or a literal string such as '<|endoftext|>'"})
     validation_fraction: float = dataclasses.field(default=0.02, metadata={"help": "share of documents held out as the validation split for sources that have none"})
-    num_proc: int = dataclasses.field(default=max(1, os.cpu_count() or 1), metadata={"help": "tokenizer processes (1: this process, with the tokenizer's own threads)"})
+    num_proc: int = dataclasses.field(default=0, metadata={"help": "tokenizer processes; 1: this process, with the tokenizer's own threads; 0 (default): one per core, or 1 for corpora under 32 MB a core"})
     checkpoint_mb: int = dataclasses.field(default=256, metadata={"help": "make the partial output resumable after every this many MB of text"})
     overwrite: bool = dataclasses.field(default=False, metadata={"help": "replace --output_dir when it holds data this script prepared from other inputs, or damaged data (an up-to-date one is kept)"})
 
@@ -257,8 +257,8 @@ def validate(cfg: Config) -> None:
         raise DataError("no --dataset given; e.g. --dataset python-docs (offline) or --dataset path/to/texts")
     if not 0 < cfg.validation_fraction < 0.5:
         raise DataError(f"--validation_fraction {cfg.validation_fraction} must be between 0 and 0.5 (exclusive)")
-    if cfg.num_proc < 1:
-        raise DataError(f"--num_proc {cfg.num_proc} must be at least 1")
+    if cfg.num_proc < 0:
+        raise DataError(f"--num_proc {cfg.num_proc} must be 0 (one per core) or more")
     if cfg.checkpoint_mb < 1:
         raise DataError(f"--checkpoint_mb {cfg.checkpoint_mb} must be at least 1")
     if not cfg.doc_separator:
@@ -414,6 +414,14 @@ def make_tasks(sources: list[lmdata.Source], cfg: Config, start: dict, per_sourc
         yield Task("", None, {"source": si + 1, "documents": 0})
 
 
+def auto_num_proc(sources: list[lmdata.Source]) -> int:
+    """One tokenizer process per core; but starting them costs about a second, so corpora of known size under 32 MB a
+    core go through this process, where the tokenizer's own threads use the cores."""
+    cores = os.cpu_count() or 1
+    known = all(s.total_bytes is not None for s in sources)
+    return 1 if known and sum(s.total_bytes for s in sources) < cores * (32 << 20) else cores
+
+
 def tokenize_all(cfg: Config, sources: list[lmdata.Source], tmp_dir: Path, tokenizer, dtype: np.dtype, fp: str, resume: dict | None) -> dict:
     """Stream every source through the tokenizer into tmp_dir, from the checkpoint `resume` when given. Returns the
     counts per split and per source, and the tokens this run wrote."""
@@ -425,8 +433,9 @@ def tokenize_all(cfg: Config, sources: list[lmdata.Source], tmp_dir: Path, token
     writers: dict[str, SplitWriter] = {}
     per_source = resume["sources"] if resume else [{} for _ in sources]
     start = resume["position"] if resume else {"source": 0, "documents": 0}
-    args = (str(tmp_dir / "tokenizer"), dtype.str, tokenizer.eos_token_id, cfg.num_proc == 1)
-    pool = get_context("spawn").Pool(cfg.num_proc, init_tokenizer_worker, args) if cfg.num_proc > 1 else None
+    num_proc = cfg.num_proc or auto_num_proc(sources)
+    args = (str(tmp_dir / "tokenizer"), dtype.str, tokenizer.eos_token_id, num_proc == 1)
+    pool = get_context("spawn").Pool(num_proc, init_tokenizer_worker, args) if num_proc > 1 else None
     if pool is None:
         init_tokenizer_worker(*args)
     known = all(s.total_bytes for s in sources)
@@ -434,7 +443,7 @@ def tokenize_all(cfg: Config, sources: list[lmdata.Source], tmp_dir: Path, token
                unit_scale=True, desc="tokenizing", mininterval=1.0, smoothing=0.1)
     tokens0, t0, peak_worker = sum(c["tokens"] for c in counts.values()), time.perf_counter(), 0.0
     try:
-        for task, result in in_order(make_tasks(sources, cfg, start, per_source, bar), pool, 2 * cfg.num_proc + 2):
+        for task, result in in_order(make_tasks(sources, cfg, start, per_source, bar), pool, 2 * num_proc + 2):
             if task.texts is not None:
                 if task.split not in writers:
                     writers[task.split] = SplitWriter(tmp_dir, task.split, dtype, counts.get(task.split))

@@ -34,6 +34,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def add_zero3_vs_ddp_args(ap) -> None:
+    """The run shape both ZeRO-3-against-DDP benchmarks share: model, sequence, micro batch, steps, rounds."""
+    ap.add_argument("--model_config", default="small")
+    ap.add_argument("--seq_len", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=2)
+
+
 def record(name: str, result: dict) -> None:
     """Print one benchmark's result and keep it as JSON under bench/results/ (make_report.py turns them into BENCHMARKS.md)."""
     RESULTS.mkdir(parents=True, exist_ok=True)

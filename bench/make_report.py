@@ -7,7 +7,7 @@ import json
 
 from common import REPO, RESULTS
 
-ORDER = ["prepare_vs_tokenizer", "prepare_vs_tokenizer_wikitext2", "prepare_scale", "train_throughput", "zero3_vs_ddp", "eval_throughput",
+ORDER = ["prepare_vs_tokenizer", "prepare_vs_tokenizer_wikitext2", "prepare_scale", "train_throughput", "zero3_vs_ddp", "zero3_knobs", "eval_throughput",
          "eval_vs_harness", "planner_memory"]
 # (result, what, key, target): a ratio is "at least" its target; a negative target -t means "at most" t.
 SUMMARY = [

@@ -4,7 +4,7 @@
 
 Clears bench/results/ first, so no row carries a number from an earlier run or another machine: a benchmark that
 cannot run here (no local WikiText-2, no GPU) is recorded as not measured, with the reason, and its row says so.
-Takes about an hour on a 2-core machine (prepare_scale: 20 minutes).
+Takes about 80 minutes on a 2-core machine (prepare_scale 10, zero3_knobs 25).
 """
 
 import argparse
@@ -23,6 +23,7 @@ BENCHMARKS = [  # (result name, command)
     ("prepare_scale", ["bench/prepare_scale.py"]),
     ("train_throughput", ["bench/train_throughput.py"]),
     ("zero3_vs_ddp", ["bench/zero3_vs_ddp.py"]),
+    ("zero3_knobs", ["bench/zero3_knobs.py"]),
     ("eval_throughput", ["bench/eval_throughput.py"]),
     ("eval_vs_harness", ["bench/eval_vs_harness.py"]),
     ("planner_memory", ["bench/planner_memory.py"]),

@@ -15,7 +15,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from common import prepare_docs, record, train_py_rate, free_port
+from common import add_zero3_vs_ddp_args, prepare_docs, record, train_py_rate, free_port
 
 LAUNCHERS = {
     "ddp": (lambda: ["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port())], {"ACCELERATE_USE_CPU": "1"}, "MULTI_CPU"),
@@ -26,11 +26,7 @@ LAUNCHERS = {
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model_config", default="small")
-    ap.add_argument("--seq_len", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=24)
-    ap.add_argument("--rounds", type=int, default=2)
+    add_zero3_vs_ddp_args(ap)
     args = ap.parse_args()
     rates = {name: [] for name in LAUNCHERS}
     with tempfile.TemporaryDirectory() as tmp:
