@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import math
-import os
 import re
 import sys
 import time
@@ -300,9 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.output_json:
         path = Path(cfg.output_json)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(report, indent=2) + "\n")
-        os.replace(tmp, path)
+        lmdata.write_json_atomic(path, report)
         print(f"wrote {path}")
     return 0
 

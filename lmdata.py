@@ -638,6 +638,17 @@ def synthetic_web_documents(n_bytes: int, seed: int = 0) -> Iterator[str]:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def write_json_atomic(path: Path, data: dict) -> None:
+    """Write JSON so that a reader, or a crash, sees the old file or the whole new one, never a part. The temporary
+    name is fixed, so what a killed writer left is overwritten by the next one, not left beside it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(data, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def token_dtype(vocab_size: int) -> np.dtype:
     """uint16 when every token id fits, else uint32."""
     if vocab_size <= 0:

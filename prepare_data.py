@@ -237,15 +237,6 @@ class SplitWriter:
                 f.close()
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(data, indent=2) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Steps
 # ---------------------------------------------------------------------------------------------------------------------
@@ -368,11 +359,10 @@ def bpe_sample(sources: list[lmdata.Source], fraction: float) -> Iterator[str]:
                     return
 
 
-def make_tasks(sources: list[lmdata.Source], cfg: Config, start: dict, per_source: list[dict], bar) -> Iterator[Task]:
+def make_tasks(sources: list[lmdata.Source], cfg: Config, start: dict, per_source: list[dict], bar, by_bytes: bool) -> Iterator[Task]:
     """The tokenizer tasks of every source in order, with a checkpoint every --checkpoint_mb of text and at the end
     of each source. From a checkpoint (start), the documents it covers are read again (for the counts) but not sent."""
     every = cfg.checkpoint_mb * 1_000_000
-    by_bytes = all(s.total_bytes for s in sources)  # the bar counts bytes read, else documents
     for si, source in enumerate(sources):
         if si < start["source"]:
             bar.update(source.total_bytes if by_bytes else 0)
@@ -438,12 +428,12 @@ def tokenize_all(cfg: Config, sources: list[lmdata.Source], tmp_dir: Path, token
     pool = get_context("spawn").Pool(num_proc, init_tokenizer_worker, args) if num_proc > 1 else None
     if pool is None:
         init_tokenizer_worker(*args)
-    known = all(s.total_bytes for s in sources)
-    bar = tqdm(total=sum(s.total_bytes for s in sources) if known else None, unit="B" if known else " docs",
+    by_bytes = all(s.total_bytes for s in sources)  # the bar counts bytes read, else documents
+    bar = tqdm(total=sum(s.total_bytes for s in sources) if by_bytes else None, unit="B" if by_bytes else " docs",
                unit_scale=True, desc="tokenizing", mininterval=1.0, smoothing=0.1)
     tokens0, t0, peak_worker = sum(c["tokens"] for c in counts.values()), time.perf_counter(), 0.0
     try:
-        for task, result in in_order(make_tasks(sources, cfg, start, per_source, bar), pool, 2 * num_proc + 2):
+        for task, result in in_order(make_tasks(sources, cfg, start, per_source, bar, by_bytes), pool, 2 * num_proc + 2):
             if task.texts is not None:
                 if task.split not in writers:
                     writers[task.split] = SplitWriter(tmp_dir, task.split, dtype, counts.get(task.split))
@@ -456,7 +446,7 @@ def tokenize_all(cfg: Config, sources: list[lmdata.Source], tmp_dir: Path, token
             else:
                 for w in writers.values():
                     w.sync()
-                write_json_atomic(tmp_dir / "progress.json", {"fingerprint": fp, "position": task.position,
+                lmdata.write_json_atomic(tmp_dir / "progress.json", {"fingerprint": fp, "position": task.position,
                                                                "splits": counts, "sources": per_source})
     except BaseException:
         if pool is not None:
@@ -539,7 +529,7 @@ def prepare(cfg: Config, argv: list[str]) -> Path:
         }
         for name in ("progress.json", "fingerprint"):
             (tmp_dir / name).unlink()
-        write_json_atomic(tmp_dir / "meta.json", meta)
+        lmdata.write_json_atomic(tmp_dir / "meta.json", meta)
         (tmp_dir / ".lock").unlink()
         if out_dir.exists():
             old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
