@@ -83,13 +83,17 @@ def train_py_rate(launcher: list[str], data: Path, out: Path, model_config: str,
             "distributed_type": plan.group(2), "precision": plan.group(3)}
 
 
+def _count_tokens(tok, docs: list[str]) -> int:
+    return sum(len(e.ids) for i in range(0, len(docs), 1000) for e in tok.encode_batch_fast(docs[i:i + 1000], add_special_tokens=False))
+
+
 def _raw_encode(tokenizer_json: str, docs: list[str], ready, go, results) -> None:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(tokenizer_json)
     ready.put(None)
     go.wait()
-    n = sum(len(e.ids) for i in range(0, len(docs), 1000) for e in tok.encode_batch_fast(docs[i:i + 1000], add_special_tokens=False))
+    n = _count_tokens(tok, docs)
     results.put((n, time.monotonic()))
 
 
@@ -105,7 +109,7 @@ def raw_tokenizer_rate(tokenizer_json: Path, docs: list[str], processes: int) ->
 
         tok = Tokenizer.from_file(str(tokenizer_json))
         t0 = time.perf_counter()
-        n = sum(len(e.ids) for i in range(0, len(docs), 1000) for e in tok.encode_batch_fast(docs[i:i + 1000], add_special_tokens=False))
+        n = _count_tokens(tok, docs)
         return n / (time.perf_counter() - t0), n
     ctx = get_context("spawn")
     ready, go, results = ctx.Queue(), ctx.Event(), ctx.Queue()
