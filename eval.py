@@ -3,7 +3,7 @@
     python eval.py --model runs/tiny/final --dataset path/to/wikitext-2 --split test     # local wiki.test.raw
     python eval.py --model runs/tiny/final --dataset data/python-docs --split validation # a prepare_data.py directory
     python eval.py --model gpt2 --dataset wikitext-2 --max_length 1024 --stride 512      # online, Hub data and model
-    ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 eval.py --model runs/tiny/final     # documents split over 2 CPU processes
+    ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 eval.py --model runs/tiny/final     # over 2 CPU processes
     accelerate launch --num_processes 3 eval.py --model runs/1.3b/final                  # documents split over 3 GPUs
 
 WikiText (the Hub presets, local wiki.*.raw files) is scored as the harness scores it: the pages of
@@ -28,27 +28,32 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
+import cli
 import lmdata
-from lmdata import DataError
+from cli import UserError, field, write_json_atomic
+from lmloss import make_windows, score_windows
 
 
+# fmt: off
 @dataclasses.dataclass
 class Config:
-    model: str = dataclasses.field(default="", metadata={"help": "causal LM directory (or Hub id, online) that AutoModelForCausalLM loads"})
-    tokenizer: str = dataclasses.field(default="", metadata={"help": "tokenizer directory or Hub id (default: the model's)"})
-    dataset: str = dataclasses.field(default="wikitext-2", metadata={"help": "wikitext-2 | wikitext-103 (Hub), a prepare_data.py directory, or a local file/directory (wiki.test.raw layout, .txt blocks, .jsonl)"})
-    split: str = dataclasses.field(default="test", metadata={"help": "split to score: test | validation | train"})
-    text_field: str = dataclasses.field(default="text", metadata={"help": "text field of .jsonl/.parquet records"})
-    max_length: int = dataclasses.field(default=0, metadata={"help": "tokens per window (0: the model's context)"})
-    stride: int = dataclasses.field(default=0, metadata={"help": "new tokens scored per window (0: --max_length, no overlap)"})
-    batch_size: int = dataclasses.field(default=8, metadata={"help": "windows per forward pass"})
-    max_documents: int = dataclasses.field(default=0, metadata={"help": "score only the first N documents (0: all)"})
-    dtype: str = dataclasses.field(default="auto", metadata={"help": "float32 | bfloat16 | float16 | auto (bf16 on GPUs that have it, else fp32)"})
-    device: str = dataclasses.field(default="", metadata={"help": "cuda | cpu (default: CUDA when present); under accelerate launch, the process's device"})
-    output_json: str = dataclasses.field(default="", metadata={"help": "write the report here as JSON"})
-    raw_text: bool = dataclasses.field(default=False, metadata={"help": "score WikiText pages as they are, not through lm-evaluation-harness's wikitext_detokenizer"})
+    model: str = field("", "causal LM directory (or Hub id, online) that AutoModelForCausalLM loads")
+    tokenizer: str = field("", "tokenizer directory or Hub id (default: the model's)")
+    dataset: str = field("wikitext-2", "wikitext-2 | wikitext-103 (Hub), a prepare_data.py directory, or a local "
+                                       "file/directory (wiki.test.raw layout, .txt blocks, .jsonl)")
+    split: str = field("test", "split to score: test | validation | train")
+    text_field: str = field("text", "text field of .jsonl/.parquet records")
+    max_length: int = field(0, "tokens per window (0: the model's context)")
+    stride: int = field(0, "new tokens scored per window (0: --max_length, no overlap)")
+    batch_size: int = field(4, "windows per forward pass (4 is fastest on CPUs; raise it on a GPU)")
+    max_documents: int = field(0, "score only the first N documents (0: all)")
+    dtype: str = field("auto", "float32 | bfloat16 | float16 | auto (bf16 on GPUs that have it, else fp32)")
+    device: str = field("", "cuda | cpu (default: CUDA when present); under accelerate launch, the process's device")
+    output_json: str = field("", "write the report here as JSON")
+    raw_text: bool = field(False, "score WikiText pages as they are, not through lm-evaluation-harness's "
+                                  "wikitext_detokenizer")
+# fmt: on
 
 
 # lm-evaluation-harness's `wikitext` task: its dataset (one row per page) and the text transform it scores.
@@ -61,31 +66,17 @@ HARNESS_TRANSFORM = "lm-eval wikitext_detokenizer"
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def nll_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed negative log-likelihood in nats, number of scored targets); targets of -100 are not scored."""
-    nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
-    return nll.double(), (targets != -100).sum().double()
-
-
-def rolling_windows(n_tokens: int, max_length: int, stride: int) -> list[tuple[int, int, int]]:
-    """Windows over a sequence s = [prefix] + tokens, where tokens sit at positions 1..n_tokens.
-
-    Returns (input_start, first_scored, end): the model reads s[input_start:end - 1] (at most max_length tokens) and
-    the targets s[first_scored:end] are scored. Each target is scored exactly once; window k scores `stride` new
-    targets and sees up to max_length - stride more tokens of left context (the last window sees a full context).
-    """
-    windows = []
-    for first in range(1, n_tokens + 1, stride):
-        end = min(first + stride, n_tokens + 1)
-        windows.append((max(0, end - 1 - max_length), first, end))
-    return windows
-
-
 def perplexity_report(nll: float, tokens: int, words: int, n_bytes: int, documents: int) -> dict:
     return {
-        "documents": documents, "tokens": tokens, "words": words, "bytes": n_bytes, "nll": nll,
-        "token_perplexity": math.exp(nll / tokens), "word_perplexity": math.exp(nll / words),
-        "byte_perplexity": math.exp(nll / n_bytes), "bits_per_byte": nll / (n_bytes * math.log(2)),
+        "documents": documents,
+        "tokens": tokens,
+        "words": words,
+        "bytes": n_bytes,
+        "nll": nll,
+        "token_perplexity": math.exp(nll / tokens),
+        "word_perplexity": math.exp(nll / words),
+        "byte_perplexity": math.exp(nll / n_bytes),
+        "bits_per_byte": nll / (n_bytes * math.log(2)),
     }
 
 
@@ -99,27 +90,41 @@ def word_count(doc: str) -> int:
 
 
 def harness_detokenizer():
-    """lm-evaluation-harness's own `wikitext_detokenizer`, imported rather than rewritten so the text scored is the
-    harness's by construction."""
-    try:
-        from lm_eval.tasks.wikitext.preprocess_wikitext import wikitext_detokenizer
-    except ImportError:
-        raise DataError("scoring WikiText as lm-evaluation-harness does needs its detokenizer: pip install lm-eval==0.4.13 "
-                        "(requirements.txt has it), or pass --raw_text to score the raw pages") from None
-    return lambda page: wikitext_detokenizer({"page": page})
+    """lm-evaluation-harness's own `wikitext_detokenizer`, used rather than rewritten so the text scored is the
+    harness's by construction. Its file is loaded on its own: importing it through lm_eval.tasks would first build
+    the harness's task registry (1.4 s, a fortieth of scoring WikiText-2 on a CPU)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("lm_eval")
+    source = (
+        Path(spec.origin).parent / "tasks" / "wikitext" / "preprocess_wikitext.py" if spec and spec.origin else None
+    )
+    if source is None or not source.is_file():
+        raise UserError(
+            "scoring WikiText as lm-evaluation-harness does needs its detokenizer: pip install lm-eval==0.4.13 "
+            "(requirements.txt has it), or pass --raw_text to score the raw pages"
+        )
+    module_spec = importlib.util.spec_from_file_location("lm_eval_preprocess_wikitext", source)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return lambda page: module.wikitext_detokenizer({"page": page})
 
 
 def hub_wikitext_pages(cfg: Config) -> list[str]:
     """The pages of the harness's own WikiText dataset, for --dataset wikitext-2 / wikitext-103."""
     offline = lmdata.hub_unreachable_reason()
     if offline:
-        raise DataError(f"--dataset {cfg.dataset}: {offline}; pass a local copy instead (a directory with wiki.test.raw, "
-                        f"or the file itself): its pages are split exactly as the Hub's")
+        raise UserError(
+            f"--dataset {cfg.dataset}: {offline}; pass a local copy instead (a directory with wiki.test.raw, "
+            f"or the file itself): its pages are split exactly as the Hub's"
+        )
     from datasets import load_dataset
 
     dsd = load_dataset(HARNESS_WIKITEXT, lmdata.HUB_PRESETS[cfg.dataset].config)
     if cfg.split not in dsd:
-        raise DataError(f"--dataset {cfg.dataset} has no '{cfg.split}' split (it has {sorted(dsd)}); pick one with --split")
+        raise UserError(
+            f"--dataset {cfg.dataset} has no '{cfg.split}' split (it has {sorted(dsd)}); pick one with --split"
+        )
     return list(dsd[cfg.split]["page"])
 
 
@@ -131,7 +136,9 @@ def local_documents(cfg: Config) -> tuple[list[str], bool]:
         if len(files) == 1 and "train" in files and Path(cfg.dataset).expanduser().is_file():
             files = {cfg.split: files["train"]}  # a single file is whatever split the user says it is
         else:
-            raise DataError(f"--dataset {cfg.dataset} has no '{cfg.split}' split (it has {sorted(files)}); pick one with --split")
+            raise UserError(
+                f"--dataset {cfg.dataset} has no '{cfg.split}' split (it has {sorted(files)}); pick one with --split"
+            )
     docs, wikitext = [], False
     for path in files[cfg.split]:
         if path.suffix not in lmdata.TEXT_SUFFIXES:
@@ -142,8 +149,10 @@ def local_documents(cfg: Config) -> tuple[list[str], bool]:
             docs.extend(lmdata.harness_wikitext_pages(text))
             wikitext = True
         elif layout == "wikitext" or lmdata.is_wikitext_file(path):
-            raise DataError(f"{path} is named like a WikiText file but has no article title line (' = Title = '); "
-                            f"it would be scored as one giant page: check the file, or rename it to score it as plain text")
+            raise UserError(
+                f"{path} is named like a WikiText file but has no article title line (' = Title = '); "
+                f"it would be scored as one giant page: check the file, or rename it to score it as plain text"
+            )
         else:
             docs.extend(lmdata.split_blank_line_blocks(text))
     return docs, wikitext
@@ -157,21 +166,26 @@ def load_documents(cfg: Config) -> tuple[list[str], list[str], str]:
     if (path / "meta.json").is_file():  # a prepare_data.py directory keeps its held-out text as .jsonl
         held = path / f"{cfg.split}.jsonl"
         if not held.is_file():
-            raise DataError(f"{cfg.dataset} has no {cfg.split}.jsonl (prepare_data.py keeps the text of validation and test splits)")
+            raise UserError(
+                f"{cfg.dataset} has no {cfg.split}.jsonl (prepare_data.py keeps the text of validation and test splits)"
+            )
         docs = list(lmdata.jsonl_documents(held, "text", lmdata.SourceStats()))
     elif cfg.dataset in ("wikitext-2", "wikitext-103"):
         docs, wikitext = hub_wikitext_pages(cfg), True
     elif cfg.dataset in lmdata.HUB_PRESETS or cfg.dataset in lmdata.BUILTIN_SOURCES:
         source = lmdata.open_source(cfg.dataset, cfg.text_field, "blank_line")
         if cfg.split not in source.splits:
-            raise DataError(f"--dataset {cfg.dataset} has no '{cfg.split}' split (it has {sorted(source.splits)}); pick one with --split")
+            raise UserError(
+                f"--dataset {cfg.dataset} has no '{cfg.split}' split (it has {sorted(source.splits)}); pick one with "
+                "--split"
+            )
         docs = list(itertools.islice((d for d in source.splits[cfg.split]() if d.strip()), cfg.max_documents or None))
     else:
         docs, wikitext = local_documents(cfg)
     docs = [d for d in docs if d.strip()]
     docs = docs[: cfg.max_documents] if cfg.max_documents else docs
     if not docs:
-        raise DataError(f"--dataset {cfg.dataset} --split {cfg.split} holds no documents; point it at text")
+        raise UserError(f"--dataset {cfg.dataset} --split {cfg.split} holds no documents; point it at text")
     if wikitext and not cfg.raw_text:
         detokenize = harness_detokenizer()
         return docs, [detokenize(d) for d in docs], HARNESS_TRANSFORM
@@ -183,59 +197,33 @@ def load_model(cfg: Config, device: torch.device):
 
     path = Path(cfg.model).expanduser()
     if path.exists() and not (path / "config.json").is_file():
-        raise DataError(f"--model {cfg.model} is not a model directory (no config.json); pass e.g. OUT/final from train.py")
+        raise UserError(
+            f"--model {cfg.model} is not a model directory (no config.json); pass e.g. OUT/final from train.py"
+        )
     offline = None if path.exists() else lmdata.hub_unreachable_reason()
     if offline:
-        raise DataError(f"--model {cfg.model} is not a local directory and {offline}")
+        raise UserError(f"--model {cfg.model} is not a local directory and {offline}")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.dtype)
     if cfg.dtype == "auto":
         dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
     if dtype is None:
-        raise DataError(f"--dtype {cfg.dtype} must be one of float32, bfloat16, float16, auto")
+        raise UserError(f"--dtype {cfg.dtype} must be one of float32, bfloat16, float16, auto")
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model)
         model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype)
     except (OSError, ValueError) as e:
-        raise DataError(f"--model {cfg.model}: cannot be loaded ({str(e).splitlines()[0]})") from None
+        raise UserError(f"--model {cfg.model}: cannot be loaded ({str(e).splitlines()[0]})") from None
     if len(tokenizer) > model.config.vocab_size:
-        raise DataError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {model.config.vocab_size}; "
-                        f"they do not belong together: pass the model's own tokenizer with --tokenizer")
+        raise UserError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {model.config.vocab_size}; "
+            f"they do not belong together: pass the model's own tokenizer with --tokenizer"
+        )
     prefix = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     if prefix is None:
-        raise DataError(f"the tokenizer of {cfg.model} has neither a BOS nor an EOS token to condition the first token on")
+        raise UserError(
+            f"the tokenizer of {cfg.model} has neither a BOS nor an EOS token to condition the first token on"
+        )
     return model.to(device).eval(), tokenizer, prefix
-
-
-def make_windows(docs: list[str], tokenizer, prefix: int, max_length: int, stride: int) -> list[tuple[list[int], list[int]]]:
-    """(input ids, targets with -100 for context-only positions) of every window of every document."""
-    out = []
-    for ids in tokenizer(docs, add_special_tokens=False)["input_ids"]:
-        seq = [prefix] + ids
-        for start, first, end in rolling_windows(len(ids), max_length, stride):
-            inputs = seq[start : end - 1]
-            targets = [-100] * (first - 1 - start) + seq[first:end]
-            out.append((inputs, targets))
-    return out
-
-
-@torch.no_grad()
-def score_windows(model, windows: list, batch_size: int, device: torch.device, pad_id: int, progress: bool = True) -> tuple[float, int]:
-    """Total NLL and scored-token count over windows, batched by length. Padding goes on the right, where a causal
-    model's earlier positions cannot see it, and its targets are -100."""
-    from tqdm.auto import tqdm
-
-    order = sorted(range(len(windows)), key=lambda i: -len(windows[i][0]))
-    total_nll = torch.zeros((), dtype=torch.float64, device=device)
-    total_n = torch.zeros((), dtype=torch.float64, device=device)
-    for b in tqdm(range(0, len(order), batch_size), desc="scoring windows", unit="batch", disable=not progress):
-        batch = [windows[i] for i in order[b : b + batch_size]]
-        width = len(batch[0][0])
-        inputs = torch.tensor([w[0] + [pad_id] * (width - len(w[0])) for w in batch], device=device)
-        targets = torch.tensor([w[1] + [-100] * (width - len(w[1])) for w in batch], device=device)
-        nll, n = nll_sum(model(input_ids=inputs, use_cache=False).logits, targets)
-        total_nll += nll
-        total_n += n
-    return total_nll, total_n
 
 
 def evaluate(cfg: Config) -> dict:
@@ -250,11 +238,11 @@ def evaluate(cfg: Config) -> dict:
     max_length = cfg.max_length or context
     stride = cfg.stride or max_length
     if max_length > context:
-        raise DataError(f"--max_length {max_length} exceeds the model's context of {context} tokens; lower it")
+        raise UserError(f"--max_length {max_length} exceeds the model's context of {context} tokens; lower it")
     if not 1 <= stride <= max_length:
-        raise DataError(f"--stride {stride} must be between 1 and --max_length {max_length}")
+        raise UserError(f"--stride {stride} must be between 1 and --max_length {max_length}")
     if cfg.batch_size < 1:
-        raise DataError(f"--batch_size {cfg.batch_size} must be at least 1")
+        raise UserError(f"--batch_size {cfg.batch_size} must be at least 1")
 
     t0 = time.perf_counter()
     with state.split_between_processes(texts) as my_texts:
@@ -265,11 +253,25 @@ def evaluate(cfg: Config) -> dict:
         torch.distributed.all_reduce(totals)
         nll, n_tokens = totals[0], totals[1]
     seconds = time.perf_counter() - t0
-    report = perplexity_report(float(nll), int(n_tokens), sum(word_count(d) for d in docs),
-                               sum(len(d.encode("utf-8")) for d in docs), len(docs))
-    report.update(model=cfg.model, dataset=cfg.dataset, split=cfg.split, text_transform=transform, max_length=max_length, stride=stride,
-                  dtype=str(model.dtype).replace("torch.", ""), processes=state.num_processes, seconds=seconds,
-                  tokens_per_s=report["tokens"] / seconds)
+    report = perplexity_report(
+        float(nll),
+        int(n_tokens),
+        sum(word_count(d) for d in docs),
+        sum(len(d.encode("utf-8")) for d in docs),
+        len(docs),
+    )
+    report.update(
+        model=cfg.model,
+        dataset=cfg.dataset,
+        split=cfg.split,
+        text_transform=transform,
+        max_length=max_length,
+        stride=stride,
+        dtype=str(model.dtype).replace("torch.", ""),
+        processes=state.num_processes,
+        seconds=seconds,
+        tokens_per_s=report["tokens"] / seconds,
+    )
     return report
 
 
@@ -283,13 +285,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         report = evaluate(cfg)
-    except DataError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not PartialState().is_main_process:
         return 0
-    print(f"{cfg.model} on {cfg.dataset} [{cfg.split}], text transform: {report['text_transform']}, max_length {report['max_length']}, "
-          f"stride {report['stride']}, {report['dtype']}, {report['processes']} process{'es' if report['processes'] > 1 else ''}")
+    print(
+        f"{cfg.model} on {cfg.dataset} [{cfg.split}], text transform: {report['text_transform']}, max_length "
+        f"{report['max_length']}, "
+        f"stride {report['stride']}, {report['dtype']}, {report['processes']} "
+        f"process{'es' if report['processes'] > 1 else ''}"
+    )
     for key in ("documents", "tokens", "words", "bytes"):
         print(f"  {key:<17}{report[key]:>14,}")
     for key in ("nll", "token_perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte"):
@@ -298,12 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.output_json:
         path = Path(cfg.output_json)
         path.parent.mkdir(parents=True, exist_ok=True)
-        lmdata.write_json_atomic(path, report)
+        write_json_atomic(path, report)
         print(f"wrote {path}")
     return 0
 
 
 if __name__ == "__main__":
-    from teardown import exit_process
-
-    exit_process(main())
+    cli.exit_process(main())

@@ -27,7 +27,10 @@ from urllib.parse import urlparse
 
 import numpy as np
 
+from cli import UserError
+
 FORMAT_VERSION = 1
+VALIDATION_FRACTION = 0.02  # prepare_data.py's default share of held-out documents
 SPLITS = ("train", "validation", "test")
 TEXT_SUFFIXES = (".txt", ".raw", ".tokens")
 DATA_SUFFIXES = TEXT_SUFFIXES + (".jsonl", ".parquet")
@@ -40,10 +43,6 @@ _WIKITEXT_TITLE = re.compile(r"^ = [^=].* = $")
 _WIKITEXT_SPLIT_FILES = {"train": "wiki.train", "validation": "wiki.valid", "test": "wiki.test"}
 _SPLIT_NAMES = {"train": "train", "validation": "validation", "valid": "validation", "test": "test"}
 _READ_BLOCK = 1 << 22
-
-
-class DataError(Exception):
-    """A problem with the user's input data; the message is one line that says what to do."""
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -87,10 +86,15 @@ def iter_text(path: Path, stats: SourceStats) -> Iterator[str]:
     with open(path, "rb") as f:
         block = f.read(_READ_BLOCK)
         if not block.strip() and len(block) < _READ_BLOCK:
-            raise DataError(f"{path} is empty{' (whitespace only)' if block else ''}; remove it or give it text")
-        if block.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)) or block[:4096].count(0) > len(block[:4096]) // 4:
-            raise DataError(f"{path} is UTF-16 (byte-order mark or NUL bytes), not UTF-8; convert it first, e.g. "
-                            f"iconv -f UTF-16 -t UTF-8 {path} > {path.with_suffix('.utf8' + path.suffix).name}")
+            raise UserError(f"{path} is empty{' (whitespace only)' if block else ''}; remove it or give it text")
+        if (
+            block.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE))
+            or block[:4096].count(0) > len(block[:4096]) // 4
+        ):
+            raise UserError(
+                f"{path} is UTF-16 (byte-order mark or NUL bytes), not UTF-8; convert it first, e.g. "
+                f"iconv -f UTF-16 -t UTF-8 {path} > {path.with_suffix('.utf8' + path.suffix).name}"
+            )
         if block.startswith(codecs.BOM_UTF8):
             stats.bom_files += 1
             stats.read_bytes += 3
@@ -203,12 +207,16 @@ def jsonl_documents(path: Path, text_field: str, stats: SourceStats) -> Iterator
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{line_no} is not valid JSON ({e.msg}); each line of a .jsonl file must be one JSON object") from None
+            raise UserError(
+                f"{path}:{line_no} is not valid JSON ({e.msg}); each line of a .jsonl file must be one JSON object"
+            ) from None
         if not isinstance(record, dict) or text_field not in record:
-            raise DataError(f"{path}:{line_no} has no '{text_field}' field; name the text field with --text_field")
+            raise UserError(f"{path}:{line_no} has no '{text_field}' field; name the text field with --text_field")
         if not isinstance(record[text_field], str):
-            raise DataError(f"{path}:{line_no}: '{text_field}' holds a {type(record[text_field]).__name__}, not a string; "
-                            f"fix the record or name another field with --text_field")
+            raise UserError(
+                f"{path}:{line_no}: '{text_field}' holds a {type(record[text_field]).__name__}, not a string; "
+                f"fix the record or name another field with --text_field"
+            )
         yield record[text_field]
 
 
@@ -220,10 +228,16 @@ def parquet_documents(path: str | Path, text_field: str, stats: SourceStats, ope
     with open_file(path, "rb") as f:
         pf = pq.ParquetFile(f)
         if text_field not in pf.schema_arrow.names:
-            raise DataError(f"{path} has no '{text_field}' column (it has {pf.schema_arrow.names}); name the text column with --text_field")
+            raise UserError(
+                f"{path} has no '{text_field}' column (it has {pf.schema_arrow.names}); name the text column with "
+                "--text_field"
+            )
         column_type = pf.schema_arrow.field(text_field).type
         if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
-            raise DataError(f"{path}: column '{text_field}' holds {column_type}, not strings; name the text column with --text_field")
+            raise UserError(
+                f"{path}: column '{text_field}' holds {column_type}, not strings; name the text column with "
+                "--text_field"
+            )
         row = 0
         for group in range(pf.num_row_groups):
             texts = pf.read_row_group(group, columns=[text_field]).column(text_field).to_pylist()
@@ -231,14 +245,17 @@ def parquet_documents(path: str | Path, text_field: str, stats: SourceStats, ope
             stats.read_bytes += sum(meta.column(i).total_compressed_size for i in range(meta.num_columns))
             for text in texts:
                 if text is None:
-                    raise DataError(f"{path}: row {row} has no '{text_field}' (null); drop the row or name another column")
+                    raise UserError(
+                        f"{path}: row {row} has no '{text_field}' (null); drop the row or name another column"
+                    )
                 row += 1
                 yield text
 
 
 def wikitext_text_from_rows(rows) -> str:
     """The raw WikiText file from the Hub's rows (`Salesforce/wikitext`): one row a line, blank lines (a single space
-    in the file) stored as empty strings. Gives back the raw file byte for byte, whether rows keep their newline or not."""
+    in the file) stored as empty strings. Gives back the raw file byte for byte, whether rows keep their newline or
+    not."""
     return "".join(wikitext_lines_from_rows(rows))
 
 
@@ -276,12 +293,32 @@ def is_held_out(text: str, fraction: float) -> bool:
     return int.from_bytes(digest, "big") < fraction * 2**64
 
 
+def routed_documents(source: Source, fraction: float) -> Iterator[tuple[str, str]]:
+    """(text, output split) per document of one source, in a fixed order: its own
+    splits in SPLITS order; without a validation split of its own, training documents whose hash falls below
+    `fraction` go to validation (a single-document source: its last `fraction`, cut at a line end)."""
+    for split in [s for s in SPLITS if s in source.splits]:
+        for text in source.splits[split]():
+            if not text.strip():
+                source.stats.empty_documents += 1
+                continue
+            if split != "train" or "validation" in source.splits:
+                yield text, split
+            elif source.single_document:
+                train, held = split_by_position(text, fraction)
+                yield train, "train"
+                if held:
+                    yield held, "validation"
+            else:
+                yield text, "validation" if is_held_out(text, fraction) else "train"
+
+
 def split_by_position(text: str, fraction: float) -> tuple[str, str]:
     """(train, held-out) of a single-document source: its last `fraction` held out, cut at a line boundary."""
     cut = text.rfind("\n", 0, int(len(text) * (1 - fraction)))
-    if cut <= 0 or not text[cut + 1:].strip():
+    if cut <= 0 or not text[cut + 1 :].strip():
         return text, ""
-    return text[: cut + 1], text[cut + 1:]
+    return text[: cut + 1], text[cut + 1 :]
 
 
 def harness_wikitext_pages(text: str) -> list[str]:
@@ -324,25 +361,43 @@ def write_harness_wikitext_task(pages: list[str], directory: Path, name: str = "
     `lm_eval --tasks NAME --include_path DIRECTORY ...`. Returns NAME."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "pages.jsonl").write_text("".join(json.dumps({"page": p}) + "\n" for p in pages))
-    (directory / f"{name}.yaml").write_text(HARNESS_TASK_YAML.format(name=name, pages=(directory / "pages.jsonl").resolve()))
+    (directory / f"{name}.yaml").write_text(
+        HARNESS_TASK_YAML.format(name=name, pages=(directory / "pages.jsonl").resolve())
+    )
     (directory / "harness_wikitext.py").write_text(
-        "from lm_eval.tasks.wikitext.preprocess_wikitext import process_results, wikitext_detokenizer  # noqa: F401\n")
+        "from lm_eval.tasks.wikitext.preprocess_wikitext import process_results, wikitext_detokenizer  # noqa: F401\n"
+    )
     return name
 
 
 def harness_command(model_dir, task_dir: Path, name: str, batch_size: int, output_path: Path) -> list[str]:
     """`lm_eval` on the task write_harness_wikitext_task made, fp32 on the CPU, as a user runs it (offline: run it with
     HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1). read_harness_results reads what it writes."""
-    return [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", f"pretrained={model_dir},dtype=float32",
-            "--tasks", name, "--include_path", str(task_dir), "--batch_size", str(batch_size), "--device", "cpu",
-            "--output_path", str(output_path)]
+    return [
+        sys.executable,
+        "-m",
+        "lm_eval",
+        "--model",
+        "hf",
+        "--model_args",
+        f"pretrained={model_dir},dtype=float32",
+        "--tasks",
+        name,
+        "--include_path",
+        str(task_dir),
+        "--batch_size",
+        str(batch_size),
+        "--device",
+        "cpu",
+        "--output_path",
+        str(output_path),
+    ]
 
 
 def read_harness_results(output_path: Path, name: str) -> dict:
     """The task's metrics from the one results_*.json lm_eval wrote under output_path, e.g. {"word_perplexity": ...}."""
     (results,) = Path(output_path).rglob("results_*.json")
     return {k.split(",")[0]: v for k, v in json.loads(results.read_text())["results"][name].items()}
-
 
 
 def python_docs_corpus() -> list[str]:
@@ -364,12 +419,15 @@ def python_docs_corpus() -> list[str]:
             tree = ast.parse(path.read_text(encoding="utf-8"))
         except (SyntaxError, UnicodeDecodeError, ValueError):
             continue
-        nodes = (n for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)))
+        nodes = (
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        )
         docstrings = [d.strip() for d in (ast.get_docstring(n) for n in nodes) if d and d.strip()]
         if docstrings:
             docs.append("\n\n".join(docstrings))
     return docs
-
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -436,7 +494,9 @@ def layout_splits(paths: list[str]) -> dict[str, list[str]]:
         parts = PurePosixPath(p).parts
         partial = [d for d in parts[:-1] if d.startswith("partial-")]
         if partial:
-            raise DataError(f"{p}: '{partial[0]}' is a partial conversion of that split, not all of it; download the full split")
+            raise UserError(
+                f"{p}: '{partial[0]}' is a partial conversion of that split, not all of it; download the full split"
+            )
         names = [d for d in parts[:-1] if d in _SPLIT_NAMES]
         stem = re.fullmatch(r"(train|validation|valid|test)(-\d.*)?", PurePosixPath(p).stem)
         split = _SPLIT_NAMES[names[-1]] if names else _SPLIT_NAMES[stem.group(1)] if stem else "train"
@@ -453,23 +513,32 @@ def hub_parquet_files(spec: str, hub: HubAccess) -> tuple[str, str, dict[str, li
         try:
             listing = hub.list_files(preset.repo, revision)
         except Exception as e:  # noqa: BLE001 - network, auth, HF_HUB_OFFLINE: all end in the same advice
-            raise DataError(f"--dataset {spec}: cannot list {preset.repo}@{revision} on the Hub ({type(e).__name__}: "
-                            f"{str(e).splitlines()[0] if str(e) else ''}); download it and pass its directory, e.g. --dataset path/to/{spec}") from None
+            raise UserError(
+                f"--dataset {spec}: cannot list {preset.repo}@{revision} on the Hub ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}); download it and pass its directory, e.g. --dataset "
+                f"path/to/{spec}"
+            ) from None
         if listing is None:
             tried.append(f"{revision}: no such revision")
             continue
         commit, files = listing
-        files = [f for f in files if f.endswith(".parquet") and (preset.config is None or preset.config in PurePosixPath(f).parts[:-1])]
+        files = [
+            f
+            for f in files
+            if f.endswith(".parquet") and (preset.config is None or preset.config in PurePosixPath(f).parts[:-1])
+        ]
         if not files:
             has_script = any(f.endswith(".py") for f in listing[1])
             tried.append(f"{revision}: no Parquet files" + (" (a loading script)" if has_script else ""))
             continue
         try:
             return revision, commit, layout_splits(files)
-        except DataError as e:
+        except UserError as e:
             tried.append(f"{revision}: {e}")
-    raise DataError(f"--dataset {spec}: no complete Parquet copy of {preset.repo} on the Hub ({'; '.join(tried)}); download the "
-                    f"corpus as .parquet/.jsonl/.txt files and pass their directory, e.g. --dataset path/to/{spec}")
+    raise UserError(
+        f"--dataset {spec}: no complete Parquet copy of {preset.repo} on the Hub ({'; '.join(tried)}); download the "
+        f"corpus as .parquet/.jsonl/.txt files and pass their directory, e.g. --dataset path/to/{spec}"
+    )
 
 
 def hub_source(spec: str, text_field: str, hub: HubAccess | None = None) -> Source:
@@ -487,8 +556,15 @@ def hub_source(spec: str, text_field: str, hub: HubAccess | None = None) -> Sour
         else:
             yield from rows
 
-    identity = {"spec": spec, "kind": "hub", "dataset": preset.repo, "config": preset.config, "revision": revision,
-                "commit": commit, "files": sum(len(v) for v in files.values())}
+    identity = {
+        "spec": spec,
+        "kind": "hub",
+        "dataset": preset.repo,
+        "config": preset.config,
+        "revision": revision,
+        "commit": commit,
+        "files": sum(len(v) for v in files.values()),
+    }
     return Source(spec, identity, {s: functools.partial(stream, p) for s, p in files.items()}, stats)
 
 
@@ -496,22 +572,44 @@ def local_source(spec: str, text_field: str, separator: str) -> Source:
     files, layout = resolve_local_files(spec)
     stats = SourceStats()
     all_files = [f for split in files.values() for f in split]
-    identity = {"spec": spec, "kind": "local", "layout": layout, "files": len(all_files), "sha256": sha256_files(all_files)}
+    identity = {
+        "spec": spec,
+        "kind": "local",
+        "layout": layout,
+        "files": len(all_files),
+        "sha256": sha256_files(all_files),
+    }
 
     def stream(paths: list[Path]) -> Iterator[str]:
         for p in paths:
             yield from file_documents(p, text_field, separator, stats)
 
-    single = (separator == "file" and layout == "files" and len(all_files) == 1 and all_files[0].suffix in TEXT_SUFFIXES
-              and not is_wikitext_file(all_files[0]) and not is_wikitext(_head(all_files[0])))
-    return Source(spec, identity, {s: functools.partial(stream, p) for s, p in files.items()}, stats, single,
-                  sum(f.stat().st_size for f in all_files))
+    single = (
+        separator == "file"
+        and layout == "files"
+        and len(all_files) == 1
+        and all_files[0].suffix in TEXT_SUFFIXES
+        and not is_wikitext_file(all_files[0])
+        and not is_wikitext(_head(all_files[0]))
+    )
+    return Source(
+        spec,
+        identity,
+        {s: functools.partial(stream, p) for s, p in files.items()},
+        stats,
+        single,
+        sum(f.stat().st_size for f in all_files),
+    )
 
 
 def builtin_source(spec: str) -> Source:
     docs = python_docs_corpus()
-    identity = {"spec": spec, "kind": "builtin", "version": f"{PYTHON_DOCS_VERSION}/python-{sys.version.split()[0]}",
-                "sha256": sha256_text(docs)}
+    identity = {
+        "spec": spec,
+        "kind": "builtin",
+        "version": f"{PYTHON_DOCS_VERSION}/python-{sys.version.split()[0]}",
+        "sha256": sha256_text(docs),
+    }
     stats = SourceStats()
 
     def stream() -> Iterator[str]:
@@ -529,9 +627,11 @@ def open_source(spec: str, text_field: str = "text", separator: str = "file", hu
     if spec in HUB_PRESETS:
         reason = hub_unreachable_reason() if hub is None else None
         if reason:
-            raise DataError(
+            raise UserError(
                 f"--dataset {spec}: {reason}. Offline, download the dataset elsewhere and pass its local copy as "
-                f"--dataset DIR (a directory with wiki.train.raw / wiki.valid.raw / wiki.test.raw, or .txt/.jsonl/.parquet files)")
+                "--dataset DIR (a directory with wiki.train.raw / wiki.valid.raw / wiki.test.raw, or "
+                ".txt/.jsonl/.parquet files)"
+            )
         return hub_source(spec, text_field, hub)
     return local_source(spec, text_field, separator)
 
@@ -567,11 +667,15 @@ def resolve_local_files(spec: str) -> tuple[dict[str, list[Path]], str]:
         files = sorted(Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True) if Path(p).is_file())
         files = [f for f in files if f.suffix in DATA_SUFFIXES]
         if not files:
-            raise DataError(f"--dataset {spec!r}: the glob matches no {'/'.join(DATA_SUFFIXES)} file; check the pattern")
+            raise UserError(
+                f"--dataset {spec!r}: the glob matches no {'/'.join(DATA_SUFFIXES)} file; check the pattern"
+            )
         return {"train": files}, "files"
     if path.is_file():
         if path.suffix not in DATA_SUFFIXES:
-            raise DataError(f"--dataset {spec!r}: unsupported file type {path.suffix!r}; use one of {', '.join(DATA_SUFFIXES)}")
+            raise UserError(
+                f"--dataset {spec!r}: unsupported file type {path.suffix!r}; use one of {', '.join(DATA_SUFFIXES)}"
+            )
         return {"train": [path]}, "files"
     if path.is_dir():
         by_split: dict[str, list[Path]] = {}
@@ -584,11 +688,11 @@ def resolve_local_files(spec: str) -> tuple[dict[str, list[Path]], str]:
             return by_split, "wikitext"
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in DATA_SUFFIXES)
         if not files:
-            raise DataError(f"--dataset {spec!r}: the directory holds no {'/'.join(DATA_SUFFIXES)} file")
+            raise UserError(f"--dataset {spec!r}: the directory holds no {'/'.join(DATA_SUFFIXES)} file")
         named = layout_splits([p.relative_to(path).as_posix() for p in files])
         return {s: [path / p for p in v] for s, v in named.items()}, "splits" if set(named) != {"train"} else "files"
     known = ", ".join(list(HUB_PRESETS) + list(BUILTIN_SOURCES))
-    raise DataError(f"--dataset {spec!r} is neither an existing file, directory or glob nor a known preset ({known})")
+    raise UserError(f"--dataset {spec!r} is neither an existing file, directory or glob nor a known preset ({known})")
 
 
 def hub_unreachable_reason() -> str | None:
@@ -608,8 +712,11 @@ def synthetic_web_documents(n_bytes: int, seed: int = 0) -> Iterator[str]:
     tail of lengths, paragraphs, 30,000 made-up words drawn with Zipf frequencies, numbers, URLs and some non-ASCII
     text (accents, CJK, Cyrillic, Arabic, emoji)."""
     rng = np.random.default_rng(seed)
-    syllables = [c + v for c in ["", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "st", "tr", "ch"]
-                 for v in ["a", "e", "i", "o", "u", "ai", "ou", "er", "an", "in"]]
+    syllables = [
+        c + v
+        for c in ["", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "st", "tr", "ch"]
+        for v in ["a", "e", "i", "o", "u", "ai", "ou", "er", "an", "in"]
+    ]
     lengths = rng.integers(1, 5, 30_000)
     vocab = np.array(["".join(syllables[j] for j in rng.integers(0, len(syllables), n)) for n in lengths])
     cdf = np.cumsum(1 / np.arange(1, len(vocab) + 1))
@@ -624,7 +731,11 @@ def synthetic_web_documents(n_bytes: int, seed: int = 0) -> Iterator[str]:
             for j in np.nonzero(rng.random(n) < 0.03)[0]:
                 words[j] = extra[int(rng.integers(0, len(extra)))]
             for j in np.nonzero(rng.random(n) < 0.02)[0]:
-                words[j] = str(int(rng.integers(0, 10**6))) if rng.random() < 0.7 else f"https://example.org/{int(rng.integers(0, 10**5))}"
+                words[j] = (
+                    str(int(rng.integers(0, 10**6)))
+                    if rng.random() < 0.7
+                    else f"https://example.org/{int(rng.integers(0, 10**5))}"
+                )
             for j in np.nonzero(rng.random(n) < 0.06)[0]:
                 words[j] += ","
             paragraphs.append(" ".join(words).capitalize() + ".")
@@ -636,17 +747,6 @@ def synthetic_web_documents(n_bytes: int, seed: int = 0) -> Iterator[str]:
 # ---------------------------------------------------------------------------------------------------------------------
 # On-disk format
 # ---------------------------------------------------------------------------------------------------------------------
-
-
-def write_json_atomic(path: Path, data: dict) -> None:
-    """Write JSON so that a reader, or a crash, sees the old file or the whole new one, never a part. The temporary
-    name is fixed, so what a killed writer left is overwritten by the next one, not left beside it."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(data, indent=2) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -665,19 +765,25 @@ def read_meta(data_dir: str | Path) -> dict:
     data_dir = Path(data_dir)
     meta_path = data_dir / "meta.json"
     if not meta_path.is_file():
-        raise DataError(f"{data_dir} is not a prepared data directory (no meta.json); create it with prepare_data.py")
+        raise UserError(f"{data_dir} is not a prepared data directory (no meta.json); create it with prepare_data.py")
     try:
         meta = json.loads(meta_path.read_text())
     except json.JSONDecodeError as e:
-        raise DataError(f"{meta_path} is not valid JSON ({e.msg}); rebuild it with prepare_data.py --overwrite") from None
+        raise UserError(
+            f"{meta_path} is not valid JSON ({e.msg}); rebuild it with prepare_data.py --overwrite"
+        ) from None
     if meta.get("format_version") != FORMAT_VERSION:
-        raise DataError(
-            f"{data_dir} has data format version {meta.get('format_version')!r}, this code reads version {FORMAT_VERSION}; "
+        raise UserError(
+            f"{data_dir} has data format version {meta.get('format_version')!r}, this code reads version "
+            f"{FORMAT_VERSION}; "
             f"rebuild it with prepare_data.py --overwrite"
         )
     expected = token_dtype(meta["vocab_size"]).name
     if meta.get("dtype") != expected:
-        raise DataError(f"{meta_path} says dtype {meta.get('dtype')!r} but vocab_size {meta['vocab_size']} needs {expected}; rebuild it")
+        raise UserError(
+            f"{meta_path} says dtype {meta.get('dtype')!r} but vocab_size {meta['vocab_size']} needs {expected}; "
+            "rebuild it"
+        )
     return meta
 
 
@@ -685,16 +791,17 @@ def load_split(data_dir: str | Path, split: str, meta: dict | None = None) -> np
     """Memory-map one split's token file after checking it against meta.json."""
     meta = meta or read_meta(data_dir)
     if split not in meta["splits"]:
-        raise DataError(f"{data_dir} has no '{split}' split (it has {sorted(meta['splits'])})")
+        raise UserError(f"{data_dir} has no '{split}' split (it has {sorted(meta['splits'])})")
     path = split_file(Path(data_dir), split)
     dtype = np.dtype(meta["dtype"])
     n_tokens = meta["splits"][split]["tokens"]
     if not path.is_file():
-        raise DataError(f"{path} is missing; rebuild the data directory with prepare_data.py --overwrite")
+        raise UserError(f"{path} is missing; rebuild the data directory with prepare_data.py --overwrite")
     size = path.stat().st_size
     if size != n_tokens * dtype.itemsize:
-        raise DataError(
-            f"{path} has {size} bytes but meta.json promises {n_tokens} {dtype.name} tokens ({n_tokens * dtype.itemsize} bytes); "
+        raise UserError(
+            f"{path} has {size} bytes but meta.json promises {n_tokens} {dtype.name} tokens "
+            f"({n_tokens * dtype.itemsize} bytes); "
             f"the file is truncated or foreign: rebuild with prepare_data.py --overwrite"
         )
     return np.memmap(path, dtype=dtype, mode="r", shape=(n_tokens,))
@@ -725,3 +832,30 @@ def sample_window(seed: int, sample: int, n_windows: int) -> tuple[int, int]:
     a pure function of (seed, epoch), so any sample can be found again after a restart."""
     epoch, offset = divmod(sample, n_windows)
     return epoch, int(_epoch_permutation(seed, epoch, n_windows)[offset])
+
+
+@dataclasses.dataclass
+class TrainingData:
+    meta: dict
+    train_tokens: np.ndarray  # memory-mapped
+    val_tokens: np.ndarray  # the first eval_tokens + 1 of the validation split
+    n_windows: int  # training windows of seq_len + 1 tokens
+
+
+def training_data(data_dir: str, seq_len: int, eval_tokens: int) -> TrainingData:
+    """What train.py reads from a prepare_data.py directory, memory-mapped once, after checking it holds at least one
+    window of seq_len + 1 tokens per split and its tokenizer."""
+    if not Path(data_dir).is_dir():
+        raise UserError(f"--data_dir {data_dir} does not exist; create it with prepare_data.py")
+    meta = read_meta(data_dir)
+    splits = {split: load_split(data_dir, split, meta) for split in ("train", "validation")}
+    for split, tokens in splits.items():
+        if num_windows(len(tokens), seq_len) < 1:
+            raise UserError(
+                f"the {split} split of {data_dir} has {len(tokens)} tokens, fewer than --seq_len "
+                f"{seq_len} + 1; lower --seq_len or add data"
+            )
+    if not (Path(data_dir) / "tokenizer").is_dir():
+        raise UserError(f"{data_dir} has no tokenizer/ directory; rebuild it with prepare_data.py --overwrite")
+    val = splits["validation"][: eval_tokens + 1] if eval_tokens else splits["validation"]
+    return TrainingData(meta, splits["train"], val, num_windows(len(splits["train"]), seq_len))

@@ -7,7 +7,8 @@
     python prepare_data.py --dataset path/to/wikitext-2 --tokenizer bpe:8192 --output_dir data/wt2
 
     # one big text file with blank lines between documents
-    python prepare_data.py --dataset owt_sample.txt --doc_separator blank_line --tokenizer bpe:4096 --output_dir data/owt
+    python prepare_data.py --dataset owt_sample.txt --doc_separator blank_line --tokenizer bpe:4096 \
+        --output_dir data/owt
 
     # the real thing (online): WikiText-103 + OpenWebText with the DeepSeek tokenizer (vocab 102400 -> uint32)
     python prepare_data.py --dataset wikitext-103 --dataset openwebtext \
@@ -40,8 +41,9 @@ from pathlib import Path
 
 import numpy as np
 
+import cli
 import lmdata
-from lmdata import DataError
+from cli import UserError, field, write_json_atomic
 
 BPE_EOS = "<|endoftext|>"
 BPE_SAMPLE_CHARS = 1 << 30  # bpe:VOCAB trains on at most the first ~1 GB of training text
@@ -50,20 +52,27 @@ OWN_FILES = {"train.bin", "validation.bin", "test.bin", "validation.jsonl", "tes
 SPLIT_RULE = "blake2b-64 of the document text < fraction; single-document sources: last fraction, cut at a line end"
 
 
+# fmt: off
 @dataclasses.dataclass
 class Config:
-    dataset: list[str] = dataclasses.field(
-        default_factory=list,
-        metadata={"action": "extend", "help": "source, repeatable: wikitext-103 | wikitext-2 | openwebtext | python-docs | a file, directory or glob of .txt/.raw/.tokens/.jsonl/.parquet"},
-    )
-    tokenizer: str = dataclasses.field(default="bpe:8192", metadata={"help": "Hub id or local directory (AutoTokenizer), or bpe:VOCAB to train a byte-level BPE on (the first 1 GB of) the training split"})
-    output_dir: str = dataclasses.field(default="data/python-docs", metadata={"help": "where the token files, tokenizer/ and meta.json go"})
-    text_field: str = dataclasses.field(default="text", metadata={"help": "field holding the text in .jsonl records and .parquet files"})
-    doc_separator: str = dataclasses.field(default="file", metadata={"help": "how a .txt/.raw file splits into documents: file (one per file; WikiText files into articles), blank_line, or a literal string such as '<|endoftext|>'"})
-    validation_fraction: float = dataclasses.field(default=0.02, metadata={"help": "share of documents held out as the validation split for sources that have none"})
-    num_proc: int = dataclasses.field(default=0, metadata={"help": "tokenizer processes; 1: this process, with the tokenizer's own threads; 0 (default): one per core, or 1 for corpora under 32 MB a core"})
-    checkpoint_mb: int = dataclasses.field(default=256, metadata={"help": "make the partial output resumable after every this many MB of text"})
-    overwrite: bool = dataclasses.field(default=False, metadata={"help": "replace --output_dir when it holds data this script prepared from other inputs, or damaged data (an up-to-date one is kept)"})
+    dataset: list[str] = dataclasses.field(default_factory=list, metadata={
+        "action": "extend", "help": "source, repeatable: wikitext-103 | wikitext-2 | openwebtext | python-docs | a "
+        "file, "
+                                    "directory or glob of .txt/.raw/.tokens/.jsonl/.parquet"})
+    tokenizer: str = field("bpe:8192", "Hub id or local directory (AutoTokenizer), or bpe:VOCAB to train a byte-level "
+                                       "BPE on (the first 1 GB of) the training split")
+    output_dir: str = field("data/python-docs", "where the token files, tokenizer/ and meta.json go")
+    text_field: str = field("text", "field holding the text in .jsonl records and .parquet files")
+    doc_separator: str = field("file", "how a .txt/.raw file splits into documents: file (one per file; WikiText "
+                                       "files into articles), blank_line, or a literal string such as '<|endoftext|>'")
+    validation_fraction: float = field(lmdata.VALIDATION_FRACTION, "share of documents held out as the validation "
+                                                                    "split for sources that have none")
+    num_proc: int = field(0, "tokenizer processes; 1: this process, with the tokenizer's own threads; 0 (default): "
+                             "one per core, or 1 for corpora under 32 MB a core")
+    checkpoint_mb: int = field(256, "make the partial output resumable after every this many MB of text")
+    overwrite: bool = field(False, "replace --output_dir when it holds data this script prepared from other inputs, "
+                                   "or damaged data (an up-to-date one is kept)")
+# fmt: on
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -77,7 +86,7 @@ def parse_bpe_spec(spec: str) -> int | None:
         return None
     value = spec[4:]
     if not value.isdigit() or not 257 <= int(value) <= 1 << 20:
-        raise DataError(f"--tokenizer {spec!r}: bpe: takes a vocabulary size between 257 and {1 << 20}, e.g. bpe:8192")
+        raise UserError(f"--tokenizer {spec!r}: bpe: takes a vocabulary size between 257 and {1 << 20}, e.g. bpe:8192")
     return int(value)
 
 
@@ -137,7 +146,8 @@ _worker: dict = {}
 
 
 def init_tokenizer_worker(tokenizer_dir: str, dtype: str, eos_id: int, threads: bool) -> None:
-    """Load the saved tokenizer in this process: the Rust tokenizer when there is a tokenizer.json, else AutoTokenizer."""
+    """Load the saved tokenizer in this process: the Rust tokenizer when there is a tokenizer.json, else
+    AutoTokenizer."""
     os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads else "false"
     path = Path(tokenizer_dir) / "tokenizer.json"
     if path.is_file():
@@ -159,17 +169,22 @@ def encode_documents(texts: list[str]) -> tuple[np.ndarray, int, float]:
     """Token ids of each document followed by EOS, flat in the token dtype, the documents' UTF-8 byte count, and this
     process's resident memory in MiB."""
     ids = _worker["encode"](texts)
-    flat = np.fromiter((t for doc in ids for t in (*doc, _worker["eos"])), dtype=np.int64, count=sum(map(len, ids)) + len(ids))
+    flat = np.fromiter(
+        (t for doc in ids for t in (*doc, _worker["eos"])), dtype=np.int64, count=sum(map(len, ids)) + len(ids)
+    )
     top = int(flat.max()) if flat.size else 0
     if top > np.iinfo(_worker["dtype"]).max:
-        raise DataError(f"token id {top} does not fit {_worker['dtype'].name}; the tokenizer's vocabulary is larger than it says")
+        raise UserError(
+            f"token id {top} does not fit {_worker['dtype'].name}; the tokenizer's vocabulary is larger than it says"
+        )
     n_bytes = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
     return flat.astype(_worker["dtype"]), n_bytes, rss_mib()
 
 
 @dataclasses.dataclass
 class Task:
-    """A batch of documents for one output split, or (texts None) a checkpoint to take once all before it are written."""
+    """A batch of documents for one output split, or (texts None) a checkpoint to take once all before it are
+    written."""
 
     split: str
     texts: list[str] | None
@@ -186,7 +201,12 @@ def in_order(tasks: Iterator[Task], pool, max_in_flight: int) -> Iterator[tuple[
             queue.append((task, encode_documents(task.texts)))
         else:
             queue.append((task, pool.apply_async(encode_documents, (task.texts,))))
-        while queue and (len(queue) > max_in_flight or queue[0][1] is None or not hasattr(queue[0][1], "ready") or queue[0][1].ready()):
+        while queue and (
+            len(queue) > max_in_flight
+            or queue[0][1] is None
+            or not hasattr(queue[0][1], "ready")
+            or queue[0][1].ready()
+        ):
             done, result = queue.popleft()
             yield done, result.get() if hasattr(result, "get") else result
     for done, result in queue:
@@ -217,7 +237,9 @@ class SplitWriter:
     def write(self, texts: list[str], ids: np.ndarray, n_bytes: int) -> None:
         ids.tofile(self.bin)
         if self.jsonl is not None:
-            lines = "".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts).encode("utf-8", "surrogatepass")
+            lines = "".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts).encode(
+                "utf-8", "surrogatepass"
+            )
             self.jsonl.write(lines)
             self.counts["jsonl_bytes"] += len(lines)
         self.counts["documents"] += len(texts)
@@ -245,15 +267,15 @@ class SplitWriter:
 def validate(cfg: Config) -> None:
     """Everything that can be checked before reading any corpus."""
     if not cfg.dataset:
-        raise DataError("no --dataset given; e.g. --dataset python-docs (offline) or --dataset path/to/texts")
+        raise UserError("no --dataset given; e.g. --dataset python-docs (offline) or --dataset path/to/texts")
     if not 0 < cfg.validation_fraction < 0.5:
-        raise DataError(f"--validation_fraction {cfg.validation_fraction} must be between 0 and 0.5 (exclusive)")
+        raise UserError(f"--validation_fraction {cfg.validation_fraction} must be between 0 and 0.5 (exclusive)")
     if cfg.num_proc < 0:
-        raise DataError(f"--num_proc {cfg.num_proc} must be 0 (one per core) or more")
+        raise UserError(f"--num_proc {cfg.num_proc} must be 0 (one per core) or more")
     if cfg.checkpoint_mb < 1:
-        raise DataError(f"--checkpoint_mb {cfg.checkpoint_mb} must be at least 1")
+        raise UserError(f"--checkpoint_mb {cfg.checkpoint_mb} must be at least 1")
     if not cfg.doc_separator:
-        raise DataError("--doc_separator is empty; use file, blank_line or a literal string such as '<|endoftext|>'")
+        raise UserError("--doc_separator is empty; use file, blank_line or a literal string such as '<|endoftext|>'")
     parse_bpe_spec(cfg.tokenizer)
     for spec in cfg.dataset:
         if spec not in lmdata.HUB_PRESETS and spec not in lmdata.BUILTIN_SOURCES:
@@ -266,7 +288,7 @@ def check_output_dir(out_dir: Path, fp: str, overwrite: bool) -> bool:
     if not out_dir.exists():
         return False
     if not out_dir.is_dir():
-        raise DataError(f"--output_dir {out_dir} is a file; choose a directory path")
+        raise UserError(f"--output_dir {out_dir} is a file; choose a directory path")
     entries = sorted(p.name for p in out_dir.iterdir())
     if not entries:
         return False
@@ -277,22 +299,28 @@ def check_output_dir(out_dir: Path, fp: str, overwrite: bool) -> bool:
     except (OSError, ValueError):
         meta, ours = None, False
     if foreign or not ours:
-        held = f"{len(foreign)} other entries: {', '.join(foreign[:4])}{', ...' if len(foreign) > 4 else ''}" if foreign else "no meta.json of prepare_data.py"
-        raise DataError(f"--output_dir {out_dir} exists and is not a directory prepare_data.py wrote ({held}); nothing was "
-                        f"deleted, even with --overwrite: choose a new or empty --output_dir")
+        held = (
+            f"{len(foreign)} other entries: {', '.join(foreign[:4])}{', ...' if len(foreign) > 4 else ''}"
+            if foreign
+            else "no meta.json of prepare_data.py"
+        )
+        raise UserError(
+            f"--output_dir {out_dir} exists and is not a directory prepare_data.py wrote ({held}); nothing was "
+            f"deleted, even with --overwrite: choose a new or empty --output_dir"
+        )
     try:
         lmdata.read_meta(out_dir)
         for split in meta["splits"]:
             lmdata.load_split(out_dir, split, meta)
         intact = True
-    except DataError:
+    except UserError:
         intact = False
     if intact and meta["fingerprint"] == fp:
         print(f"{out_dir} is up to date (same sources, tokenizer and settings); nothing to do")
         return True
     if not overwrite:
         why = "holds data prepared from other inputs" if intact else "holds damaged prepared data"
-        raise DataError(f"{out_dir} {why}; pass --overwrite to rebuild it or choose another --output_dir")
+        raise UserError(f"{out_dir} {why}; pass --overwrite to rebuild it or choose another --output_dir")
     return False
 
 
@@ -305,13 +333,18 @@ def load_tokenizer(spec: str, train_texts: Iterator[str]):
         if not Path(spec).expanduser().is_dir():
             reason = lmdata.hub_unreachable_reason()
             if reason:
-                raise DataError(f"--tokenizer {spec}: not a local directory and {reason}; pass a downloaded tokenizer directory or bpe:VOCAB")
+                raise UserError(
+                    f"--tokenizer {spec}: not a local directory and {reason}; pass a downloaded tokenizer directory or "
+                    "bpe:VOCAB"
+                )
         try:
             tok = AutoTokenizer.from_pretrained(spec)
         except (OSError, ValueError) as e:
-            raise DataError(f"--tokenizer {spec}: cannot be loaded with AutoTokenizer ({str(e).splitlines()[0]})") from None
+            raise UserError(
+                f"--tokenizer {spec}: cannot be loaded with AutoTokenizer ({str(e).splitlines()[0]})"
+            ) from None
         if tok.eos_token_id is None:
-            raise DataError(f"--tokenizer {spec} has no EOS token; documents must be separated by one")
+            raise UserError(f"--tokenizer {spec} has no EOS token; documents must be separated by one")
         return tok
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -319,39 +352,26 @@ def load_tokenizer(spec: str, train_texts: Iterator[str]):
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab, special_tokens=[BPE_EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=True
+        vocab_size=vocab,
+        special_tokens=[BPE_EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=True,
     )
     bpe.train_from_iterator(train_texts, trainer=trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token=BPE_EOS, bos_token=BPE_EOS, clean_up_tokenization_spaces=False, model_max_length=1 << 30
+        tokenizer_object=bpe,
+        eos_token=BPE_EOS,
+        bos_token=BPE_EOS,
+        clean_up_tokenization_spaces=False,
+        model_max_length=1 << 30,
     )
-
-
-def routed_documents(source: lmdata.Source, fraction: float) -> Iterator[tuple[str, str]]:
-    """(text, output split) per document of one source, in a fixed order: its own
-    splits in SPLITS order; without a validation split of its own, training documents whose hash falls below
-    `fraction` go to validation (a single-document source: its last `fraction`, cut at a line end)."""
-    for split in [s for s in lmdata.SPLITS if s in source.splits]:
-        for text in source.splits[split]():
-            if not text.strip():
-                source.stats.empty_documents += 1
-                continue
-            if split != "train" or "validation" in source.splits:
-                yield text, split
-            elif source.single_document:
-                train, held = lmdata.split_by_position(text, fraction)
-                yield train, "train"
-                if held:
-                    yield held, "validation"
-            else:
-                yield text, "validation" if lmdata.is_held_out(text, fraction) else "train"
 
 
 def bpe_sample(sources: list[lmdata.Source], fraction: float) -> Iterator[str]:
     """The training documents of all sources, up to BPE_SAMPLE_CHARS characters."""
     seen = 0
     for source in sources:
-        for text, target in routed_documents(source, fraction):
+        for text, target in lmdata.routed_documents(source, fraction):
             if target == "train":
                 yield text
                 seen += len(text)
@@ -359,7 +379,9 @@ def bpe_sample(sources: list[lmdata.Source], fraction: float) -> Iterator[str]:
                     return
 
 
-def make_tasks(sources: list[lmdata.Source], cfg: Config, start: dict, per_source: list[dict], bar, by_bytes: bool) -> Iterator[Task]:
+def make_tasks(
+    sources: list[lmdata.Source], cfg: Config, start: dict, per_source: list[dict], bar, by_bytes: bool
+) -> Iterator[Task]:
     """The tokenizer tasks of every source in order, with a checkpoint every --checkpoint_mb of text and at the end
     of each source. From a checkpoint (start), the documents it covers are read again (for the counts) but not sent."""
     every = cfg.checkpoint_mb * 1_000_000
@@ -368,14 +390,17 @@ def make_tasks(sources: list[lmdata.Source], cfg: Config, start: dict, per_sourc
             bar.update(source.total_bytes if by_bytes else 0)
             continue
         if "train" not in source.splits:
-            raise DataError(f"--dataset {source.spec} has no training files (only {', '.join(source.splits)}); add train files or a train/ directory")
+            raise UserError(
+                f"--dataset {source.spec} has no training files (only {', '.join(source.splits)}); add train files or "
+                "a train/ directory"
+            )
         skip = start["documents"] if si == start["source"] else 0
         source.stats.reset()  # counted afresh, also over what a checkpoint covers
         counts: collections.Counter = collections.Counter()
         pending: dict[str, list[str]] = collections.defaultdict(list)
         pending_chars: collections.Counter = collections.Counter()
         since_checkpoint, n, last_read = 0, 0, 0
-        for n, (text, target) in enumerate(routed_documents(source, cfg.validation_fraction), 1):
+        for n, (text, target) in enumerate(lmdata.routed_documents(source, cfg.validation_fraction), 1):
             counts[target] += 1
             bar.update(source.stats.read_bytes - last_read if by_bytes else 1)
             last_read = source.stats.read_bytes
@@ -395,11 +420,17 @@ def make_tasks(sources: list[lmdata.Source], cfg: Config, start: dict, per_sourc
                 yield Task("", None, {"source": si, "documents": n})
         yield from (Task(split, texts) for split, texts in pending.items())
         if not counts["train"]:
-            raise DataError(f"--dataset {source.spec} has no training documents (empty corpus); point it at text")
+            raise UserError(f"--dataset {source.spec} has no training documents (empty corpus); point it at text")
         if "validation" not in source.splits and not counts["validation"]:
-            hint = ", or split the file into documents with --doc_separator (blank_line or a literal string)" if source.single_document else ""
-            raise DataError(f"--dataset {source.spec}: none of its {counts['train']} documents fell in the validation split at "
-                            f"--validation_fraction {cfg.validation_fraction}; raise it or add documents{hint}")
+            hint = (
+                ", or split the file into documents with --doc_separator (blank_line or a literal string)"
+                if source.single_document
+                else ""
+            )
+            raise UserError(
+                f"--dataset {source.spec}: none of its {counts['train']} documents fell in the validation split at "
+                f"--validation_fraction {cfg.validation_fraction}; raise it or add documents{hint}"
+            )
         per_source[si] = {**source.identity, **source.stats.counts(), "documents": dict(counts)}
         yield Task("", None, {"source": si + 1, "documents": 0})
 
@@ -412,12 +443,12 @@ def auto_num_proc(sources: list[lmdata.Source]) -> int:
     return 1 if known and sum(s.total_bytes for s in sources) < cores * (32 << 20) else cores
 
 
-def tokenize_all(cfg: Config, sources: list[lmdata.Source], tmp_dir: Path, tokenizer, dtype: np.dtype, fp: str, resume: dict | None) -> dict:
+def tokenize_all(
+    cfg: Config, sources: list[lmdata.Source], tmp_dir: Path, tokenizer, dtype: np.dtype, fp: str, resume: dict | None
+) -> dict:
     """Stream every source through the tokenizer into tmp_dir, from the checkpoint `resume` when given. Returns the
     counts per split and per source, and the tokens this run wrote."""
     from multiprocessing import get_context
-
-    from tqdm.auto import tqdm
 
     counts = resume["splits"] if resume else {}
     writers: dict[str, SplitWriter] = {}
@@ -429,11 +460,19 @@ def tokenize_all(cfg: Config, sources: list[lmdata.Source], tmp_dir: Path, token
     if pool is None:
         init_tokenizer_worker(*args)
     by_bytes = all(s.total_bytes for s in sources)  # the bar counts bytes read, else documents
-    bar = tqdm(total=sum(s.total_bytes for s in sources) if by_bytes else None, unit="B" if by_bytes else " docs",
-               unit_scale=True, desc="tokenizing", mininterval=1.0, smoothing=0.1)
+    bar = cli.progress_bar(
+        total=sum(s.total_bytes for s in sources) if by_bytes else None,
+        unit="B" if by_bytes else " docs",
+        unit_scale=True,
+        desc="tokenizing",
+        mininterval=1.0,
+        smoothing=0.1,
+    )
     tokens0, t0, peak_worker = sum(c["tokens"] for c in counts.values()), time.perf_counter(), 0.0
     try:
-        for task, result in in_order(make_tasks(sources, cfg, start, per_source, bar, by_bytes), pool, 2 * num_proc + 2):
+        for task, result in in_order(
+            make_tasks(sources, cfg, start, per_source, bar, by_bytes), pool, 2 * num_proc + 2
+        ):
             if task.texts is not None:
                 if task.split not in writers:
                     writers[task.split] = SplitWriter(tmp_dir, task.split, dtype, counts.get(task.split))
@@ -446,8 +485,17 @@ def tokenize_all(cfg: Config, sources: list[lmdata.Source], tmp_dir: Path, token
             else:
                 for w in writers.values():
                     w.sync()
-                lmdata.write_json_atomic(tmp_dir / "progress.json", {"fingerprint": fp, "position": task.position,
-                                                               "splits": counts, "sources": per_source})
+                write_json_atomic(
+                    tmp_dir / "progress.json",
+                    {"fingerprint": fp, "position": task.position, "splits": counts, "sources": per_source},
+                )
+                if bar.disable:  # no terminal: a line per checkpoint instead of the bar
+                    done = sum(c["tokens"] for c in counts.values()) - tokens0
+                    print(
+                        f"checkpoint: {sum(c['tokens'] for c in counts.values()):,} tokens written, "
+                        f"{done / (time.perf_counter() - t0):,.0f} tokens/s",
+                        flush=True,
+                    )
     except BaseException:
         if pool is not None:
             pool.terminate()
@@ -459,8 +507,12 @@ def tokenize_all(cfg: Config, sources: list[lmdata.Source], tmp_dir: Path, token
     if pool is not None:
         pool.close()
         pool.join()
-    return {"splits": counts, "sources": per_source, "tokens_this_run": sum(c["tokens"] for c in counts.values()) - tokens0,
-            "peak_worker_mib": peak_worker if pool is not None else None}
+    return {
+        "splits": counts,
+        "sources": per_source,
+        "tokens_this_run": sum(c["tokens"] for c in counts.values()) - tokens0,
+        "peak_worker_mib": peak_worker if pool is not None else None,
+    }
 
 
 def open_partial(out_dir: Path, fp: str):
@@ -471,7 +523,7 @@ def open_partial(out_dir: Path, fp: str):
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise DataError(f"another prepare_data.py is writing {tmp_dir}; wait for it or stop it first") from None
+        raise UserError(f"another prepare_data.py is writing {tmp_dir}; wait for it or stop it first") from None
     progress = None
     try:
         progress = json.loads((tmp_dir / "progress.json").read_text())
@@ -501,8 +553,11 @@ def prepare(cfg: Config, argv: list[str]) -> Path:
     try:
         if resume:
             pos = resume["position"]
-            print(f"resuming {tmp_dir} from its last checkpoint: source {pos['source'] + 1} of {len(sources)}, "
-                  f"{pos['documents']:,} documents in, {sum(c['tokens'] for c in resume['splits'].values()):,} tokens written")
+            print(
+                f"resuming {tmp_dir} from its last checkpoint: source {pos['source'] + 1} of {len(sources)}, "
+                f"{pos['documents']:,} documents in, {sum(c['tokens'] for c in resume['splits'].values()):,} tokens "
+                "written"
+            )
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(tmp_dir / "tokenizer")
@@ -529,22 +584,19 @@ def prepare(cfg: Config, argv: list[str]) -> Path:
         }
         for name in ("progress.json", "fingerprint"):
             (tmp_dir / name).unlink()
-        lmdata.write_json_atomic(tmp_dir / "meta.json", meta)
+        write_json_atomic(tmp_dir / "meta.json", meta)
         (tmp_dir / ".lock").unlink()
-        if out_dir.exists():
-            old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-            out_dir.rename(old)
-            tmp_dir.rename(out_dir)
-            shutil.rmtree(old)
-        else:
-            tmp_dir.rename(out_dir)
-    except DataError:
+        cli.replace_dir(tmp_dir, out_dir)
+    except UserError:
         shutil.rmtree(tmp_dir, ignore_errors=True)  # bad input: the partial work cannot be continued with other input
         raise
     except BaseException:
         if tmp_dir.exists():
-            print(f"stopped: the partial output stays in {tmp_dir}; run the same command again to continue from its last checkpoint",
-                  file=sys.stderr)
+            print(
+                f"stopped: the partial output stays in {tmp_dir}; run the same command again to continue from its last "
+                "checkpoint",
+                file=sys.stderr,
+            )
         raise
     finally:
         lock.close()
@@ -555,21 +607,32 @@ def prepare(cfg: Config, argv: list[str]) -> Path:
 
 def report(out_dir: Path, meta: dict, tokens_per_s: float, total_s: float, peak_worker_mib: float | None) -> None:
     for source in meta["sources"]:
-        tolerated = [f"{source[k]:,} {k.replace('_', ' ')}" for k in ("replaced_bytes", "crlf_line_ends", "bom_files", "empty_documents") if source.get(k)]
+        tolerated = [
+            f"{source[k]:,} {k.replace('_', ' ')}"
+            for k in ("replaced_bytes", "crlf_line_ends", "bom_files", "empty_documents")
+            if source.get(k)
+        ]
         if tolerated:
-            print(f"note: {source['spec']}: {', '.join(tolerated)} (undecodable bytes became U+FFFD, CRLF became LF, "
-                  f"BOMs were dropped, empty documents skipped; counted in meta.json)", file=sys.stderr)
+            print(
+                f"note: {source['spec']}: {', '.join(tolerated)} (undecodable bytes became U+FFFD, CRLF became LF, "
+                f"BOMs were dropped, empty documents skipped; counted in meta.json)",
+                file=sys.stderr,
+            )
     for name, s in meta["splits"].items():
-        print(f"  {name:<10} {s['documents']:>9,} docs {s['tokens']:>13,} tokens {s['bytes']:>14,} bytes "
-              f"({s['bytes'] / max(1, s['tokens'] - s['documents']):.2f} bytes/token)")
+        print(
+            f"  {name:<10} {s['documents']:>9,} docs {s['tokens']:>13,} tokens {s['bytes']:>14,} bytes "
+            f"({s['bytes'] / max(1, s['tokens'] - s['documents']):.2f} bytes/token)"
+        )
     docs = sum(s["documents"] for s in meta["splits"].values())
     tokens = sum(s["tokens"] for s in meta["splits"].values())
     text_bytes = sum(s["bytes"] for s in meta["splits"].values())
     own = peak_rss_mib()
     workers = f" + {peak_worker_mib:,.0f} MiB per tokenizer process" if peak_worker_mib else ""
-    print(f"wrote {out_dir} ({meta['dtype']}, vocab {meta['vocab_size']}): {docs:,} documents, {tokens:,} tokens, "
-          f"{text_bytes / max(1, tokens - docs):.2f} bytes/token, tokenized at {tokens_per_s:,.0f} tokens/s, "
-          f"{total_s:.1f}s in all, peak RSS {own:,.0f} MiB{workers}")
+    print(
+        f"wrote {out_dir} ({meta['dtype']}, vocab {meta['vocab_size']}): {docs:,} documents, {tokens:,} tokens, "
+        f"{text_bytes / max(1, tokens - docs):.2f} bytes/token, tokenized at {tokens_per_s:,.0f} tokens/s, "
+        f"{total_s:.1f}s in all, peak RSS {own:,.0f} MiB{workers}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -579,7 +642,7 @@ def main(argv: list[str] | None = None) -> int:
     (cfg,) = HfArgumentParser(Config, description=__doc__.split("\n\n")[0]).parse_args_into_dataclasses(argv)
     try:
         prepare(cfg, argv)
-    except DataError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -8,6 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")"
 DATA=data/python-docs
 OUT=runs/quickstart
+# A CPU pipeline: say so to DeepSpeed, which otherwise warns on every process that it found no GPU.
+export DS_ACCELERATOR=cpu
 
 # bf16 only where the CPU has bf16 units (Intel AMX or AVX512-BF16); elsewhere bf16 matmuls are far slower than fp32.
 if grep -qwE 'amx_bf16|avx512_bf16' /proc/cpuinfo 2>/dev/null; then
@@ -18,7 +20,8 @@ fi
 
 python prepare_data.py --dataset python-docs --tokenizer bpe:4096 --output_dir "$DATA" --validation_fraction 0.05 --overwrite
 rm -rf "$OUT"  # a fresh demo each time; real runs continue with --resume auto instead
-accelerate launch --config_file accelerate_configs/zero3_cpu.yaml "${PRECISION[@]}" train.py \
+# One thread per process (3 processes share the cores); torchrun would set the same and print a banner about it.
+OMP_NUM_THREADS=1 accelerate launch --config_file accelerate_configs/zero3_cpu.yaml "${PRECISION[@]}" train.py \
     --data_dir "$DATA" --model_config mini --output_dir "$OUT" \
     --seq_len 128 --micro_batch_size 8 --max_steps 300 --warmup_steps 30 --lr 2e-3 \
     --log_every 25 --eval_every 100 --save_every 100

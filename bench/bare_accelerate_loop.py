@@ -42,18 +42,28 @@ def main():
     ap.add_argument("--seq_len", type=int, default=256)
     ap.add_argument("--micro_batch_size", type=int, default=4)
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--eval_first", action="store_true", help="two no-grad forwards before training, as a validation at step 0")
+    ap.add_argument(
+        "--eval_first", action="store_true", help="two no-grad forwards before training, as a validation at step 0"
+    )
     args = ap.parse_args()
     cpu = not torch.cuda.is_available()
     accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if cpu else [])
     meta = json.loads((Path(args.data_dir) / "meta.json").read_text())
     tokens = np.memmap(Path(args.data_dir) / "train.bin", dtype=meta["dtype"], mode="r")
-    preset = json.loads((Path(__file__).resolve().parents[1] / "model_configs" / f"{args.model_config}.json").read_text())
-    config = AutoConfig.for_model(preset.pop("model_type"), **{**preset, "vocab_size": -(-meta["vocab_size"] // 64) * 64})
+    preset = json.loads(
+        (Path(__file__).resolve().parents[1] / "model_configs" / f"{args.model_config}.json").read_text()
+    )
+    config = AutoConfig.for_model(
+        preset.pop("model_type"), **{**preset, "vocab_size": -(-meta["vocab_size"] // 64) * 64}
+    )
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    loader = torch.utils.data.DataLoader(Windows(tokens, args.seq_len), batch_size=args.micro_batch_size, shuffle=True,
-                                         generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader(
+        Windows(tokens, args.seq_len),
+        batch_size=args.micro_batch_size,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(0),
+    )
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     if args.eval_first:
         model.eval()
@@ -74,17 +84,23 @@ def main():
         times.append(time.perf_counter())
     steady = times[len(times) // 3 :]
     tokens_per_micro_step = args.micro_batch_size * args.seq_len * accelerator.num_processes
-    accelerator.print(json.dumps({
-        "processes": accelerator.num_processes, "distributed_type": accelerator.distributed_type.value,
-        "grad_accum_steps": accelerator.gradient_accumulation_steps, "final_loss": float(loss),
-        "tokens_per_s": tokens_per_micro_step * (len(steady) - 1) / (steady[-1] - steady[0]),
-    }))
+    accelerator.print(
+        json.dumps(
+            {
+                "processes": accelerator.num_processes,
+                "distributed_type": accelerator.distributed_type.value,
+                "grad_accum_steps": accelerator.gradient_accumulation_steps,
+                "final_loss": float(loss),
+                "tokens_per_s": tokens_per_micro_step * (len(steady) - 1) / (steady[-1] - steady[0]),
+            }
+        )
+    )
     accelerator.end_training()
 
 
 if __name__ == "__main__":
     main()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from teardown import exit_process  # the one addition to a bare loop: leave without the gloo teardown crash
+    from cli import exit_process  # the one addition to a bare loop: leave without the gloo teardown crash
 
     exit_process(0)

@@ -22,7 +22,14 @@ def cpu_bf16_units() -> str:
 
 
 def machine() -> str:
-    cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("model name")), platform.processor())
+    cpu = next(
+        (
+            l.split(":", 1)[1].strip()
+            for l in Path("/proc/cpuinfo").read_text().splitlines()
+            if l.startswith("model name")
+        ),
+        platform.processor(),
+    )
     return f"{cpu}, {os.cpu_count()} cores, bf16 units: {cpu_bf16_units()}, Python {platform.python_version()}"
 
 
@@ -44,9 +51,16 @@ def add_zero3_vs_ddp_args(ap) -> None:
 
 
 def record(name: str, result: dict) -> None:
-    """Print one benchmark's result and keep it as JSON under bench/results/ (make_report.py turns them into BENCHMARKS.md)."""
+    """Print one benchmark's result and keep it as JSON under bench/results/ (make_report.py turns them into
+    BENCHMARKS.md)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    result = {"name": name, "machine": machine(), "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python", *sys.argv]), **result}
+    result = {
+        "name": name,
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(["python", *sys.argv]),
+        **result,
+    }
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
@@ -61,30 +75,86 @@ def sh(cmd: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
 def prepare_docs(tmp: str, vocab: int = 8192) -> Path:
     """python-docs with a BPE of `vocab` tokens in tmp/data, through prepare_data.py as a user runs it."""
     data = Path(tmp) / "data"
-    sh(["python", "prepare_data.py", "--dataset", "python-docs", "--tokenizer", f"bpe:{vocab}", "--output_dir", str(data)])
+    sh(
+        [
+            "python",
+            "prepare_data.py",
+            "--dataset",
+            "python-docs",
+            "--tokenizer",
+            f"bpe:{vocab}",
+            "--output_dir",
+            str(data),
+        ]
+    )
     return data
 
 
-def train_py_rate(launcher: list[str], data: Path, out: Path, model_config: str, seq_len: int, batch: int, steps: int,
-                  processes: int, intervals: int = 3, env: dict | None = None, extra: list[str] = ()) -> dict:
+def train_py_rate(
+    launcher: list[str],
+    data: Path,
+    out: Path,
+    model_config: str,
+    seq_len: int,
+    batch: int,
+    steps: int,
+    processes: int,
+    intervals: int = 3,
+    env: dict | None = None,
+    extra: list[str] = (),
+) -> dict:
     """Run train.py (after `launcher`, e.g. ["python"] or an accelerate launch prefix) and return its mean logged
     tokens/s and MFU over the log intervals after the first, which holds the warm-up. Stops unless the run's own
     batch-plan line says it trained on `processes` processes (a launcher can quietly start one)."""
-    proc = sh(launcher + ["train.py", "--data_dir", str(data), "--model_config", model_config, "--output_dir", str(out),
-                          "--seq_len", str(seq_len), "--micro_batch_size", str(batch), "--max_steps", str(steps),
-                          "--log_every", str(max(1, steps // intervals)), "--eval_every", "0", "--eval_tokens", "4096",
-                          "--save_every", "0", *extra], env=env)
+    proc = sh(
+        launcher
+        + [
+            "train.py",
+            "--data_dir",
+            str(data),
+            "--model_config",
+            model_config,
+            "--output_dir",
+            str(out),
+            "--seq_len",
+            str(seq_len),
+            "--micro_batch_size",
+            str(batch),
+            "--max_steps",
+            str(steps),
+            "--log_every",
+            str(max(1, steps // intervals)),
+            "--eval_every",
+            "0",
+            "--eval_tokens",
+            "4096",
+            "--save_every",
+            "0",
+            *extra,
+        ],
+        env=env,
+    )
     plan = re.search(r"batch plan: .* x (\d+) processes = .*; (\w+), (\w+)", proc.stdout)
     if not plan or int(plan.group(1)) != processes:
-        raise SystemExit(f"{' '.join(launcher)} was to train on {processes} processes; its batch plan says: "
-                         f"{plan.group(0) if plan else 'nothing'}")
+        raise SystemExit(
+            f"{' '.join(launcher)} was to train on {processes} processes; its batch plan says: "
+            f"{plan.group(0) if plan else 'nothing'}"
+        )
     records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in l][1:]
-    return {"tokens_per_s": sum(r["tokens_per_s"] for r in records) / len(records), "mfu": sum(r["mfu"] for r in records) / len(records),
-            "distributed_type": plan.group(2), "precision": plan.group(3)}
+    return {
+        "tokens_per_s": sum(r["tokens_per_s"] for r in records) / len(records),
+        "mfu": sum(r["mfu"] for r in records) / len(records),
+        "distributed_type": plan.group(2),
+        "precision": plan.group(3),
+    }
 
 
 def _count_tokens(tok, docs: list[str]) -> int:
-    return sum(len(e.ids) for i in range(0, len(docs), 1000) for e in tok.encode_batch_fast(docs[i:i + 1000], add_special_tokens=False))
+    return sum(
+        len(e.ids)
+        for i in range(0, len(docs), 1000)
+        for e in tok.encode_batch_fast(docs[i : i + 1000], add_special_tokens=False)
+    )
 
 
 def _raw_encode(tokenizer_json: str, docs: list[str], ready, go, results) -> None:
@@ -113,7 +183,10 @@ def raw_tokenizer_rate(tokenizer_json: Path, docs: list[str], processes: int) ->
         return n / (time.perf_counter() - t0), n
     ctx = get_context("spawn")
     ready, go, results = ctx.Queue(), ctx.Event(), ctx.Queue()
-    workers = [ctx.Process(target=_raw_encode, args=(str(tokenizer_json), docs[i::processes], ready, go, results)) for i in range(processes)]
+    workers = [
+        ctx.Process(target=_raw_encode, args=(str(tokenizer_json), docs[i::processes], ready, go, results))
+        for i in range(processes)
+    ]
     for w in workers:
         w.start()
     for _ in workers:

@@ -22,6 +22,7 @@ from common import REPO, prepare_docs, record, sh
 
 import lmdata
 
+
 def timed(cmd: list[str], env: dict | None = None) -> float:
     t0 = time.perf_counter()
     sh(cmd, env=env)
@@ -41,25 +42,50 @@ def main():
         model_dir = make_model(prepare_docs(str(tmp), vocab=4096), args.model_config, tmp / "model")
         task = tmp / "task"
         name = lmdata.write_harness_wikitext_task(lmdata.harness_wikitext_pages(raw.read_text(encoding="utf-8")), task)
-        eval_s = timed([sys.executable, "eval.py", "--model", str(model_dir), "--dataset", str(raw), "--dtype", "float32",
-                        "--output_json", str(tmp / "eval.json")])
+        eval_s = timed(
+            [
+                sys.executable,
+                "eval.py",
+                "--model",
+                str(model_dir),
+                "--dataset",
+                str(raw),
+                "--dtype",
+                "float32",
+                "--output_json",
+                str(tmp / "eval.json"),
+            ]
+        )
         harness_s, harness = {}, {}
         for bs in args.harness_batch_sizes:
             out = tmp / f"harness{bs}"
-            harness_s[bs] = timed(lmdata.harness_command(model_dir, task, name, bs, out),
-                                  env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+            harness_s[bs] = timed(
+                lmdata.harness_command(model_dir, task, name, bs, out),
+                env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
+            )
             harness[bs] = lmdata.read_harness_results(out, name)["word_perplexity"]
         ours = json.loads((tmp / "eval.json").read_text())
     best = min(harness_s, key=harness_s.get)
     for bs, ppl in harness.items():
         if abs(ppl - ours["word_perplexity"]) > 1e-6 * ppl:
-            raise SystemExit(f"harness at batch size {bs} gives word perplexity {ppl}, eval.py {ours['word_perplexity']}")
-    record("eval_vs_harness", {
-        "model_config": args.model_config, "pages": ours["documents"], "tokens": ours["tokens"], "dtype": "float32",
-        "eval_py_s": eval_s, "harness_s_by_batch_size": harness_s, "harness_best_batch_size": best,
-        "word_perplexity": ours["word_perplexity"], "ratio_harness_best_s_over_eval_py_s": harness_s[best] / eval_s,
-        "target": 1.2,
-    })
+            raise SystemExit(
+                f"harness at batch size {bs} gives word perplexity {ppl}, eval.py {ours['word_perplexity']}"
+            )
+    record(
+        "eval_vs_harness",
+        {
+            "model_config": args.model_config,
+            "pages": ours["documents"],
+            "tokens": ours["tokens"],
+            "dtype": "float32",
+            "eval_py_s": eval_s,
+            "harness_s_by_batch_size": harness_s,
+            "harness_best_batch_size": best,
+            "word_perplexity": ours["word_perplexity"],
+            "ratio_harness_best_s_over_eval_py_s": harness_s[best] / eval_s,
+            "target": 1.2,
+        },
+    )
 
 
 def make_model(data: Path, model_config: str, out: Path) -> Path:
@@ -68,8 +94,15 @@ def make_model(data: Path, model_config: str, out: Path) -> Path:
 
     meta = lmdata.read_meta(data)
     preset = json.loads((REPO / "model_configs" / f"{model_config}.json").read_text())
-    config = AutoConfig.for_model(preset.pop("model_type"), **{**preset, "vocab_size": -(-meta["vocab_size"] // 64) * 64,
-                                                              "bos_token_id": meta["eos_id"], "eos_token_id": meta["eos_id"]})
+    config = AutoConfig.for_model(
+        preset.pop("model_type"),
+        **{
+            **preset,
+            "vocab_size": -(-meta["vocab_size"] // 64) * 64,
+            "bos_token_id": meta["eos_id"],
+            "eos_token_id": meta["eos_id"],
+        },
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(out)
     AutoTokenizer.from_pretrained(data / "tokenizer").save_pretrained(out)

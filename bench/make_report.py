@@ -1,31 +1,62 @@
 """Write BENCHMARKS.md from the JSON results the benchmark scripts left in bench/results/.
 
-    python bench/make_report.py
+python bench/make_report.py
 """
 
 import json
 
 from common import REPO, RESULTS
 
-ORDER = ["prepare_vs_tokenizer", "prepare_vs_tokenizer_wikitext2", "prepare_scale", "train_throughput", "zero3_vs_ddp", "zero3_knobs", "eval_throughput",
-         "eval_vs_harness", "planner_memory"]
+ORDER = [
+    "prepare_vs_tokenizer",
+    "prepare_vs_tokenizer_wikitext2",
+    "prepare_scale",
+    "train_throughput",
+    "zero3_vs_ddp",
+    "zero3_knobs",
+    "eval_throughput",
+    "eval_vs_harness",
+    "planner_memory",
+]
 # (result, what, key, target): a ratio is "at least" its target; a negative target -t means "at most" t.
 SUMMARY = [
     ("prepare_vs_tokenizer", "prepare_data.py / raw tokenizers batch-encode (tokens/s), python-docs", "ratio", 0.7),
-    ("prepare_vs_tokenizer_wikitext2", "prepare_data.py / raw tokenizers batch-encode (tokens/s), WikiText-2 train", "ratio", 0.7),
-    ("prepare_scale", "prepare_data.py / raw tokenizers batch-encode (tokens/s), 2 processes each, 200 MB web-like .jsonl",
-     "ratio_tokens_per_s", 0.8),
-    ("prepare_scale", "prepare_data.py peak RSS (process tree), 1 GB corpus / 200 MB corpus", "ratio_peak_rss_large_over_small", -1.25),
+    (
+        "prepare_vs_tokenizer_wikitext2",
+        "prepare_data.py / raw tokenizers batch-encode (tokens/s), WikiText-2 train",
+        "ratio",
+        0.7,
+    ),
+    (
+        "prepare_scale",
+        "prepare_data.py / raw tokenizers batch-encode (tokens/s), 2 processes each, 200 MB web-like .jsonl",
+        "ratio_tokens_per_s",
+        0.8,
+    ),
+    (
+        "prepare_scale",
+        "prepare_data.py peak RSS (process tree), 1 GB corpus / 200 MB corpus",
+        "ratio_peak_rss_large_over_small",
+        -1.25,
+    ),
     ("prepare_scale", "prepare_data.py peak RSS (process tree) at 1 GB, MiB", "peak_rss_large_mib", -2048),
     ("prepare_scale", "prepare_data.py temporary disk beyond its output / output size", "temp_disk_fraction", -0.1),
-    ("train_throughput", "train.py / bare Accelerate + DeepSpeed loop, 3 CPU processes, ZeRO-3 (tokens/s)",
-     "ratio_train_py_vs_bare_accelerate_deepspeed", 0.97),
+    (
+        "train_throughput",
+        "train.py / bare Accelerate + DeepSpeed loop, 3 CPU processes, ZeRO-3 (tokens/s)",
+        "ratio_train_py_vs_bare_accelerate_deepspeed",
+        0.97,
+    ),
     ("train_throughput", "train.py (1 process) / bare PyTorch loop (tokens/s)", "ratio_train_py_vs_bare", 0.9),
     ("train_throughput", "CPU MFU of train.py on the ~30M `small` preset (vs timed fp32 matmul)", "mfu_train_py", 0.5),
     ("zero3_vs_ddp", "ZeRO-3 / plain DDP (torchrun, 2 CPU processes), tokens/s, median of rounds", "ratio", 0.85),
     ("eval_throughput", "eval.py / bare no_grad forward loop (tokens/s)", "ratio", 0.9),
-    ("eval_vs_harness", "lm-evaluation-harness (best batch size) / eval.py, whole-process seconds, WikiText-2 test",
-     "ratio_harness_best_s_over_eval_py_s", 1.2),
+    (
+        "eval_vs_harness",
+        "lm-evaluation-harness (best batch size) / eval.py, whole-process seconds, WikiText-2 test",
+        "ratio_harness_best_s_over_eval_py_s",
+        1.2,
+    ),
 ]
 
 
@@ -34,7 +65,9 @@ def fmt(x):
         return ", ".join(fmt(v) for v in x)
     if isinstance(x, dict):
         return ", ".join(f"{k}: {fmt(v)}" for k, v in x.items())
-    return f"{x:,.3f}" if isinstance(x, float) and abs(x) < 10 else f"{x:,.0f}" if isinstance(x, (int, float)) else str(x)
+    return (
+        f"{x:,.3f}" if isinstance(x, float) and abs(x) < 10 else f"{x:,.0f}" if isinstance(x, (int, float)) else str(x)
+    )
 
 
 def summary_row(results: dict, name: str, what: str, key: str, target: float) -> str:
@@ -50,30 +83,49 @@ def summary_row(results: dict, name: str, what: str, key: str, target: float) ->
 
 def main():
     results = {p.stem: json.loads(p.read_text()) for p in RESULTS.glob("*.json")}
-    lines = ["# Benchmarks", "",
-             "Each figure is a ratio of two runs made side by side in one invocation on the same machine, by the command",
-             "shown; rerun it to check. `python bench/run_all.py` reruns them all and rewrites this file from what it measured",
-             "(`python bench/make_report.py` rewrites it from `bench/results/*.json`).", "",
-             "| what | measured | target | met | machine | command |", "|---|---:|---:|---|---|---|"]
+    lines = [
+        "# Benchmarks",
+        "",
+        "Each figure is a ratio of two runs made side by side in one invocation on the same machine, by the command",
+        "shown; rerun it to check. `python bench/run_all.py` reruns them all and rewrites this file from what it "
+        "measured",
+        "(`python bench/make_report.py` rewrites it from `bench/results/*.json`).",
+        "",
+        "| what | measured | target | met | machine | command |",
+        "|---|---:|---:|---|---|---|",
+    ]
     lines += [summary_row(results, *row) for row in SUMMARY]
     if "planner_memory" in results and "runs" in results["planner_memory"]:
         pm = results["planner_memory"]
         for row in pm["runs"]:
             r = row["ratio_predicted_vs_measured"]
-            lines.append(f"| planner memory / measured RSS growth (`small`, checkpointing {'on' if row['gradient_checkpointing'] else 'off'}) "
-                         f"| {r:.3f} | 0.75-1.25 | {'yes' if 0.75 <= r <= 1.25 else '**no**'} | {pm['machine']} | `{pm['command']}` |")
+            lines.append(
+                "| planner memory / measured RSS growth (`small`, checkpointing "
+                f"{'on' if row['gradient_checkpointing'] else 'off'}) "
+                f"| {r:.3f} | 0.75-1.25 | {'yes' if 0.75 <= r <= 1.25 else '**no**'} | {pm['machine']} | "
+                f"`{pm['command']}` |"
+            )
     lines += ["", (REPO / "bench" / "NOTES.md").read_text().strip(), ""]
     for name in ORDER:
         if name not in results:
             continue
         r = results[name]
-        lines += [f"## {name}", "", f"`{r['command']}` on {r['machine']}, {r['date']}", "", "| key | value |", "|---|---:|"]
+        lines += [
+            f"## {name}",
+            "",
+            f"`{r['command']}` on {r['machine']}, {r['date']}",
+            "",
+            "| key | value |",
+            "|---|---:|",
+        ]
         for k, v in r.items():
             if k in ("name", "command", "machine", "date"):
                 continue
             if isinstance(v, dict) and v and all(isinstance(x, dict) for x in v.values()):
                 for kk, row in v.items():
-                    lines.append(f"| {k}[{kk}] | " + ", ".join(f"{a} {fmt(b)}" for a, b in row.items() if a != "summary") + " |")
+                    lines.append(
+                        f"| {k}[{kk}] | " + ", ".join(f"{a} {fmt(b)}" for a, b in row.items() if a != "summary") + " |"
+                    )
             elif isinstance(v, list) and v and isinstance(v[0], dict):
                 for i, row in enumerate(v):
                     lines.append(f"| {k}[{i}] | " + ", ".join(f"{kk} {fmt(vv)}" for kk, vv in row.items()) + " |")
@@ -82,10 +134,13 @@ def main():
         lines.append("")
     gpu = RESULTS / "gpu" / "summary.txt"
     lines += ["## GPU", ""]
-    lines.append(gpu.read_text() if gpu.is_file() else
-                 "`bench/gpu_check.sh` (fp16 ZeRO-3 with loss scaling, bf16, tokens/s and MFU of deepseek-1.3b at 2048 tokens, "
-                 "peak memory against the plan) is prepared but has **not run**: no GPU machine was lent to the sessions so far. "
-                 "No GPU figure in this repository is measured yet.")
+    lines.append(
+        gpu.read_text()
+        if gpu.is_file()
+        else "`bench/gpu_check.sh` (fp16 ZeRO-3 with loss scaling, bf16, tokens/s and MFU of deepseek-1.3b at 2048 "
+        "tokens, peak memory against the plan) is prepared but has **not run**: no GPU machine was lent to the "
+        "sessions so far. No GPU figure in this repository is measured yet."
+    )
     (REPO / "BENCHMARKS.md").write_text("\n".join(lines) + "\n")
     print((REPO / "BENCHMARKS.md").read_text())
 

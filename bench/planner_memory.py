@@ -16,7 +16,7 @@ from pathlib import Path
 from common import prepare_docs, record, sh
 
 import lmdata
-import train
+import plan
 
 
 def main():
@@ -31,20 +31,61 @@ def main():
         data = prepare_docs(tmp)
         for ckpt in (False, True):
             out = Path(tmp) / f"run-{ckpt}"
-            sh(["python", "train.py", "--data_dir", str(data), "--model_config", args.model_config, "--output_dir", str(out),
-                "--seq_len", str(args.seq_len), "--micro_batch_size", str(args.micro_batch_size), "--max_steps", "6",
-                "--log_every", "1", "--eval_every", "0", "--eval_tokens", "2048", "--save_every", "0"]
-               + (["--gradient_checkpointing"] if ckpt else []))
+            sh(
+                [
+                    "python",
+                    "train.py",
+                    "--data_dir",
+                    str(data),
+                    "--model_config",
+                    args.model_config,
+                    "--output_dir",
+                    str(out),
+                    "--seq_len",
+                    str(args.seq_len),
+                    "--micro_batch_size",
+                    str(args.micro_batch_size),
+                    "--max_steps",
+                    "6",
+                    "--log_every",
+                    "1",
+                    "--eval_every",
+                    "0",
+                    "--eval_tokens",
+                    "2048",
+                    "--save_every",
+                    "0",
+                ]
+                + (["--gradient_checkpointing"] if ckpt else [])
+            )
             before = json.loads((out / "config.json").read_text())["peak_mem_before_model_gib"]
             peak = max(json.loads(l).get("peak_mem_gib", 0) for l in (out / "metrics.jsonl").read_text().splitlines())
-            mc = train.load_model_config(train.Config(model_config=args.model_config, seq_len=args.seq_len), lmdata.read_meta(data))
-            plan = train.memory_plan(mc, 1, args.micro_batch_size, args.seq_len, "fp32", False, False, ckpt, "sdpa")
-            predicted = plan["gpu_total"] - plan["gpu"]["gathered_largest_tensor"]  # no ZeRO: nothing is gathered
+            mc = plan.load_model_config(args.model_config, "", args.seq_len, lmdata.read_meta(data))
+            estimate = plan.memory_plan(mc, 1, args.micro_batch_size, args.seq_len, "fp32", False, False, ckpt, "sdpa")
+            predicted = (
+                estimate["gpu_total"] - estimate["gpu"]["gathered_largest_tensor"]
+            )  # no ZeRO: nothing is gathered
             measured = (peak - before) * 2**30
-            rows.append({"gradient_checkpointing": ckpt, "predicted_gib": predicted / 2**30, "measured_growth_gib": measured / 2**30,
-                         "peak_rss_gib": peak, "rss_before_model_gib": before, "ratio_predicted_vs_measured": predicted / measured})
-    record("planner_memory", {"model_config": args.model_config, "micro_batch_size": args.micro_batch_size, "seq_len": args.seq_len,
-                              "runs": rows, "target": "predicted within 25% of measured"})
+            rows.append(
+                {
+                    "gradient_checkpointing": ckpt,
+                    "predicted_gib": predicted / 2**30,
+                    "measured_growth_gib": measured / 2**30,
+                    "peak_rss_gib": peak,
+                    "rss_before_model_gib": before,
+                    "ratio_predicted_vs_measured": predicted / measured,
+                }
+            )
+    record(
+        "planner_memory",
+        {
+            "model_config": args.model_config,
+            "micro_batch_size": args.micro_batch_size,
+            "seq_len": args.seq_len,
+            "runs": rows,
+            "target": "predicted within 25% of measured",
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -59,8 +59,18 @@ def write_corpus(path: Path, n_bytes: int) -> int:
 
 
 def run_prepare(corpus: Path, tokenizer: Path, out: Path, num_proc: int, cache: Path) -> dict:
-    cmd = [sys.executable, "prepare_data.py", "--dataset", str(corpus), "--tokenizer", str(tokenizer), "--output_dir", str(out),
-           "--num_proc", str(num_proc)]
+    cmd = [
+        sys.executable,
+        "prepare_data.py",
+        "--dataset",
+        str(corpus),
+        "--tokenizer",
+        str(tokenizer),
+        "--output_dir",
+        str(out),
+        "--num_proc",
+        str(num_proc),
+    ]
     env = {**os.environ, "HF_DATASETS_CACHE": str(cache), "HF_HOME": str(cache)}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     ps, peak_rss, peak_disk = psutil.Process(proc.pid), 0, 0
@@ -76,9 +86,15 @@ def run_prepare(corpus: Path, tokenizer: Path, out: Path, num_proc: int, cache: 
     rate = float(re.search(r"tokenized at ([\d,]+) tokens/s", line).group(1).replace(",", ""))
     meta = lmdata.read_meta(out)
     output = dir_bytes(out)
-    return {"tokens": sum(s["tokens"] for s in meta["splits"].values()), "tokens_per_s": rate,
-            "peak_rss_mib": peak_rss / 2**20, "output_bytes": output, "temp_disk_bytes": max(0, peak_disk - output),
-            "hf_cache_bytes": dir_bytes(cache), "summary": line}
+    return {
+        "tokens": sum(s["tokens"] for s in meta["splits"].values()),
+        "tokens_per_s": rate,
+        "peak_rss_mib": peak_rss / 2**20,
+        "output_bytes": output,
+        "temp_disk_bytes": max(0, peak_disk - output),
+        "hf_cache_bytes": dir_bytes(cache),
+        "summary": line,
+    }
 
 
 def main():
@@ -90,15 +106,28 @@ def main():
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         tmp = Path(tmp)
         write_corpus(tmp / "tok.jsonl", 20_000_000)
-        sh([sys.executable, "prepare_data.py", "--dataset", str(tmp / "tok.jsonl"), "--tokenizer", "bpe:8192",
-            "--output_dir", str(tmp / "tok")])
+        sh(
+            [
+                sys.executable,
+                "prepare_data.py",
+                "--dataset",
+                str(tmp / "tok.jsonl"),
+                "--tokenizer",
+                "bpe:8192",
+                "--output_dir",
+                str(tmp / "tok"),
+            ]
+        )
         tokenizer = tmp / "tok" / "tokenizer"
         rows = {}
         for mb in args.sizes_mb:
             corpus = tmp / f"web-{mb}mb.jsonl"
             docs = write_corpus(corpus, mb * 1_000_000)
-            rows[mb] = {"corpus_bytes": corpus.stat().st_size, "documents": docs,
-                        **run_prepare(corpus, tokenizer, tmp / f"out-{mb}", args.num_proc, tmp / f"cache-{mb}")}
+            rows[mb] = {
+                "corpus_bytes": corpus.stat().st_size,
+                "documents": docs,
+                **run_prepare(corpus, tokenizer, tmp / f"out-{mb}", args.num_proc, tmp / f"cache-{mb}"),
+            }
             print(json.dumps(rows[mb]), flush=True)
             if mb == args.sizes_mb[0]:
                 texts = [json.loads(line)["text"] for line in corpus.open(encoding="utf-8")]
@@ -108,14 +137,20 @@ def main():
             (tmp / f"out-{mb}").rename(tmp / "done")  # free the disk before the next size
             sh(["rm", "-rf", str(tmp / "done"), str(corpus)])
     small, large = (rows[mb] for mb in args.sizes_mb)
-    record("prepare_scale", {
-        "sizes_mb": args.sizes_mb, "num_proc": args.num_proc, "rows": {str(k): v for k, v in rows.items()},
-        "raw_tokens_per_s": raw_rate, "ratio_tokens_per_s": small["tokens_per_s"] / raw_rate,
-        "ratio_peak_rss_large_over_small": large["peak_rss_mib"] / small["peak_rss_mib"],
-        "peak_rss_large_mib": large["peak_rss_mib"],
-        "temp_disk_fraction": max(r["temp_disk_bytes"] / r["output_bytes"] for r in rows.values()),
-        "hf_cache_bytes": max(r["hf_cache_bytes"] for r in rows.values()),
-    })
+    record(
+        "prepare_scale",
+        {
+            "sizes_mb": args.sizes_mb,
+            "num_proc": args.num_proc,
+            "rows": {str(k): v for k, v in rows.items()},
+            "raw_tokens_per_s": raw_rate,
+            "ratio_tokens_per_s": small["tokens_per_s"] / raw_rate,
+            "ratio_peak_rss_large_over_small": large["peak_rss_mib"] / small["peak_rss_mib"],
+            "peak_rss_large_mib": large["peak_rss_mib"],
+            "temp_disk_fraction": max(r["temp_disk_bytes"] / r["output_bytes"] for r in rows.values()),
+            "hf_cache_bytes": max(r["hf_cache_bytes"] for r in rows.values()),
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from pathlib import Path
 from common import raw_tokenizer_rate, record, sh
 
 import lmdata
-import prepare_data
 
 
 def main():
@@ -31,24 +30,55 @@ def main():
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         first = Path(tmp) / "first"
-        sh([sys.executable, "prepare_data.py", "--dataset", args.dataset, "--tokenizer", "bpe:8192", "--output_dir", str(first)])
+        sh(
+            [
+                sys.executable,
+                "prepare_data.py",
+                "--dataset",
+                args.dataset,
+                "--tokenizer",
+                "bpe:8192",
+                "--output_dir",
+                str(first),
+            ]
+        )
         tokenizer = Path(tmp) / "tokenizer"
         (first / "tokenizer").rename(tokenizer)
         source = lmdata.open_source(args.dataset)
-        docs = [text for text, _ in prepare_data.routed_documents(source, prepare_data.Config.validation_fraction)]
+        docs = [text for text, _ in lmdata.routed_documents(source, lmdata.VALIDATION_FRACTION)]
         raw, ours = [], []
         for i in range(args.repeats):  # interleaved, so drift on a noisy machine hits both sides alike
             rate, n_raw = raw_tokenizer_rate(tokenizer / "tokenizer.json", docs, 1)
             raw.append(rate)
-            proc = sh([sys.executable, "prepare_data.py", "--dataset", args.dataset, "--tokenizer", str(tokenizer),
-                       "--output_dir", str(Path(tmp) / f"run{i}")])
+            proc = sh(
+                [
+                    sys.executable,
+                    "prepare_data.py",
+                    "--dataset",
+                    args.dataset,
+                    "--tokenizer",
+                    str(tokenizer),
+                    "--output_dir",
+                    str(Path(tmp) / f"run{i}"),
+                ]
+            )
             ours.append(float(re.search(r"tokenized at ([\d,]+) tokens/s", proc.stdout).group(1).replace(",", "")))
         tokens = sum(s["tokens"] for s in lmdata.read_meta(Path(tmp) / "run0")["splits"].values())
         assert tokens == n_raw + len(docs), (tokens, n_raw, len(docs))
     best_raw, best_ours = max(raw), max(ours)
-    record(args.name, {"dataset": args.dataset, "documents": len(docs), "bytes": sum(len(d.encode()) for d in docs),
-                       "tokens": n_raw, "raw_tokens_per_s": best_raw,
-                       "prepare_tokens_per_s": best_ours, "ratio": best_ours / best_raw, "target": 0.7})
+    record(
+        args.name,
+        {
+            "dataset": args.dataset,
+            "documents": len(docs),
+            "bytes": sum(len(d.encode()) for d in docs),
+            "tokens": n_raw,
+            "raw_tokens_per_s": best_raw,
+            "prepare_tokens_per_s": best_ours,
+            "ratio": best_ours / best_raw,
+            "target": 0.7,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -19,7 +19,10 @@ from common import REPO, RESULTS, record
 WIKITEXT2 = os.path.relpath(os.environ.get("WIKITEXT2_DIR", REPO.parent / "shared" / "data" / "wikitext-2"), REPO)
 BENCHMARKS = [  # (result name, command)
     ("prepare_vs_tokenizer", ["bench/prepare_vs_tokenizer.py"]),
-    ("prepare_vs_tokenizer_wikitext2", ["bench/prepare_vs_tokenizer.py", "--dataset", WIKITEXT2, "--name", "prepare_vs_tokenizer_wikitext2"]),
+    (
+        "prepare_vs_tokenizer_wikitext2",
+        ["bench/prepare_vs_tokenizer.py", "--dataset", WIKITEXT2, "--name", "prepare_vs_tokenizer_wikitext2"],
+    ),
     ("prepare_scale", ["bench/prepare_scale.py"]),
     ("train_throughput", ["bench/train_throughput.py"]),
     ("zero3_vs_ddp", ["bench/zero3_vs_ddp.py"]),

@@ -27,15 +27,14 @@ import torch.nn.functional as F
 from common import free_port, prepare_docs, record, sh, train_py_rate
 
 import lmdata
-import train
+import plan
 
 
 def bare_loop(data_dir: Path, model_config: str, seq_len: int, batch: int, steps: int) -> float:
     from transformers import AutoModelForCausalLM
 
-    cfg = train.Config(data_dir=str(data_dir), model_config=model_config, seq_len=seq_len)
     meta = lmdata.read_meta(data_dir)
-    mc = train.load_model_config(cfg, meta)
+    mc = plan.load_model_config(model_config, "", seq_len, meta)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(mc, attn_implementation="sdpa", dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
@@ -43,7 +42,9 @@ def bare_loop(data_dir: Path, model_config: str, seq_len: int, batch: int, steps
     n = lmdata.num_windows(len(tokens), seq_len)
     times = []
     for step in range(steps):
-        rows = torch.from_numpy(__import__("numpy").stack([lmdata.window(tokens, (step * batch + j) % n, seq_len) for j in range(batch)]))
+        rows = torch.from_numpy(
+            __import__("numpy").stack([lmdata.window(tokens, (step * batch + j) % n, seq_len) for j in range(batch)])
+        )
         t0 = time.perf_counter()
         logits = model(input_ids=rows[:, :-1], use_cache=False).logits
         loss = F.cross_entropy(logits.float().flatten(0, 1), rows[:, 1:].flatten())
@@ -52,7 +53,7 @@ def bare_loop(data_dir: Path, model_config: str, seq_len: int, batch: int, steps
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
-    steady = times[steps // 3:]
+    steady = times[steps // 3 :]
     return batch * seq_len * len(steady) / sum(steady)
 
 
@@ -80,21 +81,43 @@ def main():
         ds = deepspeed_rounds(data, Path(tmp), args)
         peak = matmul_peak()
         bare = bare_loop(data, args.model_config, args.seq_len, args.batch, args.steps)
-        plain = train_py_rate(["python"], data, Path(tmp) / "plain", args.model_config, args.seq_len, args.batch, args.steps, processes=1)
-        zero3 = train_py_rate(["accelerate", "launch", "--config_file", "accelerate_configs/zero3_cpu.yaml", "--num_processes", "1"],
-                         data, Path(tmp) / "zero3", args.model_config, args.seq_len, args.batch, args.steps, processes=1)
+        plain = train_py_rate(
+            ["python"], data, Path(tmp) / "plain", args.model_config, args.seq_len, args.batch, args.steps, processes=1
+        )
+        zero3 = train_py_rate(
+            ["accelerate", "launch", "--config_file", "accelerate_configs/zero3_cpu.yaml", "--num_processes", "1"],
+            data,
+            Path(tmp) / "zero3",
+            args.model_config,
+            args.seq_len,
+            args.batch,
+            args.steps,
+            processes=1,
+        )
         peak_after = matmul_peak()
-    c = train.load_model_config(train.Config(model_config=args.model_config, seq_len=args.seq_len), {"vocab_size": 8192, "eos_id": 0})
-    counts = train.llama_param_counts(c)
-    flops_tok = train.flops_per_token(counts["non_embedding"], c.num_hidden_layers, c.hidden_size, args.seq_len)
+    c = plan.load_model_config(args.model_config, "", args.seq_len, {"vocab_size": 8192, "eos_id": 0})
+    counts = plan.llama_param_counts(c)
+    flops_tok = plan.flops_per_token(counts["non_embedding"], c.num_hidden_layers, c.hidden_size, args.seq_len)
     peak = max(peak, peak_after)
-    record("train_throughput", {
-        "model_config": args.model_config, "parameters": counts["total"], "tokens_per_step": args.batch * args.seq_len,
-        "bare_loop_tokens_per_s": bare, "train_py_tokens_per_s": plain["tokens_per_s"], "train_py_zero3_1proc_tokens_per_s": zero3["tokens_per_s"],
-        "ratio_train_py_vs_bare": plain["tokens_per_s"] / bare, "ratio_zero3_1proc_vs_bare": zero3["tokens_per_s"] / bare,
-        "matmul_peak_flops": peak, "mfu_bare_loop": bare * flops_tok / peak, "mfu_train_py": plain["tokens_per_s"] * flops_tok / peak,
-        "mfu_train_py_logged": plain["mfu"], **ds, "targets": {"ratio": 0.9, "mfu": 0.5, "ratio_vs_bare_accelerate_deepspeed": 0.97},
-    })
+    record(
+        "train_throughput",
+        {
+            "model_config": args.model_config,
+            "parameters": counts["total"],
+            "tokens_per_step": args.batch * args.seq_len,
+            "bare_loop_tokens_per_s": bare,
+            "train_py_tokens_per_s": plain["tokens_per_s"],
+            "train_py_zero3_1proc_tokens_per_s": zero3["tokens_per_s"],
+            "ratio_train_py_vs_bare": plain["tokens_per_s"] / bare,
+            "ratio_zero3_1proc_vs_bare": zero3["tokens_per_s"] / bare,
+            "matmul_peak_flops": peak,
+            "mfu_bare_loop": bare * flops_tok / peak,
+            "mfu_train_py": plain["tokens_per_s"] * flops_tok / peak,
+            "mfu_train_py_logged": plain["mfu"],
+            **ds,
+            "targets": {"ratio": 0.9, "mfu": 0.5, "ratio_vs_bare_accelerate_deepspeed": 0.97},
+        },
+    )
 
 
 def deepspeed_rounds(data: Path, tmp: Path, args) -> dict:
@@ -104,29 +127,66 @@ def deepspeed_rounds(data: Path, tmp: Path, args) -> dict:
     rates = {"bare": [], "bare_eval_first": [], "train_py_no_eval_at_start": [], "train_py": []}
     for r in range(args.rounds):
         for name in rates:
-            launch = ["accelerate", "launch", "--config_file", "accelerate_configs/zero3_cpu.yaml", "--num_processes", str(n),
-                      "--main_process_port", str(free_port())]
+            launch = [
+                "accelerate",
+                "launch",
+                "--config_file",
+                "accelerate_configs/zero3_cpu.yaml",
+                "--num_processes",
+                str(n),
+                "--main_process_port",
+                str(free_port()),
+            ]
             if name.startswith("bare"):
-                proc = sh(launch + ["bench/bare_accelerate_loop.py", "--data_dir", str(data), "--model_config", model,
-                                    "--seq_len", str(seq), "--micro_batch_size", str(batch), "--steps", str(args.ds_steps)]
-                          + (["--eval_first"] if name == "bare_eval_first" else []))
+                proc = sh(
+                    launch
+                    + [
+                        "bench/bare_accelerate_loop.py",
+                        "--data_dir",
+                        str(data),
+                        "--model_config",
+                        model,
+                        "--seq_len",
+                        str(seq),
+                        "--micro_batch_size",
+                        str(batch),
+                        "--steps",
+                        str(args.ds_steps),
+                    ]
+                    + (["--eval_first"] if name == "bare_eval_first" else [])
+                )
                 bare = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("{")))
                 if bare["processes"] != n:
                     raise SystemExit(f"the bare loop ran {bare['processes']} processes, not {n}")
                 rates[name].append(bare["tokens_per_s"])
             else:
                 extra = ["--no_eval_at_start"] if name == "train_py_no_eval_at_start" else []
-                rates[name].append(train_py_rate(launch, data, tmp / f"{name}{r}", model, seq, batch, args.ds_steps, processes=n,
-                                                 intervals=4, extra=extra)["tokens_per_s"])
+                rates[name].append(
+                    train_py_rate(
+                        launch,
+                        data,
+                        tmp / f"{name}{r}",
+                        model,
+                        seq,
+                        batch,
+                        args.ds_steps,
+                        processes=n,
+                        intervals=4,
+                        extra=extra,
+                    )["tokens_per_s"]
+                )
 
     def ratio(a, b):
         return statistics.median(x / y for x, y in zip(rates[a], rates[b]))
 
-    return {"ds_setup": f"{n} processes, ZeRO-3 CPU config, {model}, {batch} x {seq} tokens, {args.ds_steps} steps, {args.rounds} rounds",
-            **{f"ds_{k}_tokens_per_s": v for k, v in rates.items()},
-            "ratio_train_py_vs_bare_accelerate_deepspeed": ratio("train_py_no_eval_at_start", "bare"),
-            "ratio_train_py_with_step0_eval_vs_bare_eval_first": ratio("train_py", "bare_eval_first"),
-            "ratio_bare_eval_first_vs_bare": ratio("bare_eval_first", "bare")}
+    return {
+        "ds_setup": f"{n} processes, ZeRO-3 CPU config, {model}, {batch} x {seq} tokens, {args.ds_steps} steps, "
+        "{args.rounds} rounds",
+        **{f"ds_{k}_tokens_per_s": v for k, v in rates.items()},
+        "ratio_train_py_vs_bare_accelerate_deepspeed": ratio("train_py_no_eval_at_start", "bare"),
+        "ratio_train_py_with_step0_eval_vs_bare_eval_first": ratio("train_py", "bare_eval_first"),
+        "ratio_bare_eval_first_vs_bare": ratio("bare_eval_first", "bare"),
+    }
 
 
 if __name__ == "__main__":

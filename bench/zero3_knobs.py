@@ -34,8 +34,19 @@ def zero3_launcher(tmp: Path, name: str, changes: dict) -> list[str]:
     js.write_text(json.dumps(config, indent=2))
     yaml_text = (REPO / "accelerate_configs" / "zero3_cpu.yaml").read_text()
     yml = js.with_suffix(".yaml")
-    yml.write_text(yaml_text.replace("deepspeed_config_file: accelerate_configs/zero3_cpu.json", f"deepspeed_config_file: {js}"))
-    return ["accelerate", "launch", "--config_file", str(yml), "--num_processes", "2", "--main_process_port", str(free_port())]
+    yml.write_text(
+        yaml_text.replace("deepspeed_config_file: accelerate_configs/zero3_cpu.json", f"deepspeed_config_file: {js}")
+    )
+    return [
+        "accelerate",
+        "launch",
+        "--config_file",
+        str(yml),
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(free_port()),
+    ]
 
 
 def main():
@@ -49,23 +60,55 @@ def main():
         for r in range(args.rounds):
             for name in rates:
                 if name == "ddp":
-                    launcher, env, expected = ["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port())], {"ACCELERATE_USE_CPU": "1"}, "MULTI_CPU"
+                    launcher, env, expected = (
+                        ["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port())],
+                        {"ACCELERATE_USE_CPU": "1"},
+                        "MULTI_CPU",
+                    )
                 else:
                     launcher, env, expected = zero3_launcher(tmp, name, VARIANTS[name] or {}), {}, "DEEPSPEED"
                 extra = [] if VARIANTS.get(name, {}) is None else ["--no_eval_at_start"]
-                run = train_py_rate(launcher, data, tmp / f"run-{r}-{len(rates[name])}-{name.replace(' ', '_')}", args.model_config,
-                                    args.seq_len, args.batch, args.steps, processes=2, intervals=4, env=env, extra=extra)
+                run = train_py_rate(
+                    launcher,
+                    data,
+                    tmp / f"run-{r}-{len(rates[name])}-{name.replace(' ', '_')}",
+                    args.model_config,
+                    args.seq_len,
+                    args.batch,
+                    args.steps,
+                    processes=2,
+                    intervals=4,
+                    env=env,
+                    extra=extra,
+                )
                 if run["distributed_type"] != expected:
                     raise SystemExit(f"{name}: expected {expected}, train.py ran {run['distributed_type']}")
                 rates[name].append(run["tokens_per_s"])
                 print(f"round {r} {name}: {run['tokens_per_s']:,.0f} tokens/s", flush=True)
-    table = [{"variant": name, "changes": json.dumps(VARIANTS[name]) if VARIANTS[name] is not None else "step-0 validation on",
-              "tokens_per_s": statistics.median(rates[name]),
-              "ratio_vs_ddp": statistics.median(z / d for z, d in zip(rates[name], rates["ddp"]))} for name in VARIANTS]
-    record("zero3_knobs", {"model_config": args.model_config, "processes": 2, "micro_batch_size": args.batch, "seq_len": args.seq_len,
-                           "rounds": args.rounds, "ddp_tokens_per_s": rates["ddp"], "variants": table,
-                           "best": max(table, key=lambda row: row["ratio_vs_ddp"])["variant"],
-                           "best_ratio_vs_ddp": max(row["ratio_vs_ddp"] for row in table), "target": 0.85})
+    table = [
+        {
+            "variant": name,
+            "changes": json.dumps(VARIANTS[name]) if VARIANTS[name] is not None else "step-0 validation on",
+            "tokens_per_s": statistics.median(rates[name]),
+            "ratio_vs_ddp": statistics.median(z / d for z, d in zip(rates[name], rates["ddp"])),
+        }
+        for name in VARIANTS
+    ]
+    record(
+        "zero3_knobs",
+        {
+            "model_config": args.model_config,
+            "processes": 2,
+            "micro_batch_size": args.batch,
+            "seq_len": args.seq_len,
+            "rounds": args.rounds,
+            "ddp_tokens_per_s": rates["ddp"],
+            "variants": table,
+            "best": max(table, key=lambda row: row["ratio_vs_ddp"])["variant"],
+            "best_ratio_vs_ddp": max(row["ratio_vs_ddp"] for row in table),
+            "target": 0.85,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -18,9 +18,25 @@ from pathlib import Path
 from common import add_zero3_vs_ddp_args, prepare_docs, record, train_py_rate, free_port
 
 LAUNCHERS = {
-    "ddp": (lambda: ["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port())], {"ACCELERATE_USE_CPU": "1"}, "MULTI_CPU"),
-    "zero3": (lambda: ["accelerate", "launch", "--config_file", "accelerate_configs/zero3_cpu.yaml", "--num_processes", "2",
-                       "--main_process_port", str(free_port())], {}, "DEEPSPEED"),
+    "ddp": (
+        lambda: ["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port())],
+        {"ACCELERATE_USE_CPU": "1"},
+        "MULTI_CPU",
+    ),
+    "zero3": (
+        lambda: [
+            "accelerate",
+            "launch",
+            "--config_file",
+            "accelerate_configs/zero3_cpu.yaml",
+            "--num_processes",
+            "2",
+            "--main_process_port",
+            str(free_port()),
+        ],
+        {},
+        "DEEPSPEED",
+    ),
 }
 
 
@@ -33,15 +49,36 @@ def main():
         data = prepare_docs(tmp)
         for r in range(args.rounds):
             for name, (launcher, env, expected) in LAUNCHERS.items():
-                run = train_py_rate(launcher(), data, Path(tmp) / f"{name}{r}", args.model_config, args.seq_len, args.batch,
-                                    args.steps, processes=2, intervals=4, env=env)
+                run = train_py_rate(
+                    launcher(),
+                    data,
+                    Path(tmp) / f"{name}{r}",
+                    args.model_config,
+                    args.seq_len,
+                    args.batch,
+                    args.steps,
+                    processes=2,
+                    intervals=4,
+                    env=env,
+                )
                 if run["distributed_type"] != expected:
                     raise SystemExit(f"{name}: expected {expected}, train.py ran {run['distributed_type']}")
                 rates[name].append(run["tokens_per_s"])
     ratios = [z / d for z, d in zip(rates["zero3"], rates["ddp"])]
-    record("zero3_vs_ddp", {"model_config": args.model_config, "processes": 2, "micro_batch_size": args.batch, "seq_len": args.seq_len,
-                            "ddp_tokens_per_s": rates["ddp"], "zero3_tokens_per_s": rates["zero3"], "ratio_per_round": ratios,
-                            "ratio": statistics.median(ratios), "target": 0.85})
+    record(
+        "zero3_vs_ddp",
+        {
+            "model_config": args.model_config,
+            "processes": 2,
+            "micro_batch_size": args.batch,
+            "seq_len": args.seq_len,
+            "ddp_tokens_per_s": rates["ddp"],
+            "zero3_tokens_per_s": rates["zero3"],
+            "ratio_per_round": ratios,
+            "ratio": statistics.median(ratios),
+            "target": 0.85,
+        },
+    )
 
 
 if __name__ == "__main__":

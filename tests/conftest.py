@@ -14,13 +14,30 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 # Real WikiText-2 text, when the checkout sits next to the project's shared/ folder (or WIKITEXT2_DIR points at it).
 WIKITEXT2 = Path(os.environ.get("WIKITEXT2_DIR", REPO.parent / "shared" / "data" / "wikitext-2"))
-needs_wikitext = pytest.mark.skipif(not (WIKITEXT2 / "wiki.test.raw").is_file(),
-                                    reason=f"WikiText-2 copy not found at {WIKITEXT2} (set WIKITEXT2_DIR)")
+needs_wikitext = pytest.mark.skipif(
+    not (WIKITEXT2 / "wiki.test.raw").is_file(), reason=f"WikiText-2 copy not found at {WIKITEXT2} (set WIKITEXT2_DIR)"
+)
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 CPU_CONFIG = "accelerate_configs/zero3_cpu.yaml"
 # A tiny run: 64-wide 2-layer model, 32-token sequences, global batch 6 on 3 processes.
-TINY = ["--model_config", "tiny", "--seq_len", "32", "--log_every", "1", "--eval_every", "0", "--eval_tokens", "2048",
-        "--save_every", "0", "--warmup_steps", "2", "--lr", "3e-3"]
+TINY = [
+    "--model_config",
+    "tiny",
+    "--seq_len",
+    "32",
+    "--log_every",
+    "1",
+    "--eval_every",
+    "0",
+    "--eval_tokens",
+    "2048",
+    "--save_every",
+    "0",
+    "--warmup_steps",
+    "2",
+    "--lr",
+    "3e-3",
+]
 
 
 def run(args, check=True, env=None, timeout=600, cwd=REPO, **kw):
@@ -28,7 +45,10 @@ def run(args, check=True, env=None, timeout=600, cwd=REPO, **kw):
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     proc = subprocess.run(args, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout, **kw)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(map(str, args))} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"{' '.join(map(str, args))} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- "
+            f"stderr\n{proc.stderr[-6000:]}"
+        )
     return proc
 
 
@@ -39,8 +59,20 @@ def free_port() -> int:
 
 
 def launch_cmd(nproc: int, *train_args, config=CPU_CONFIG, script="train.py", accum=1):
-    return [ACCELERATE, "launch", "--config_file", config, "--num_processes", str(nproc), "--gradient_accumulation_steps",
-            str(accum), "--main_process_port", str(free_port()), script, *map(str, train_args)]
+    return [
+        ACCELERATE,
+        "launch",
+        "--config_file",
+        config,
+        "--num_processes",
+        str(nproc),
+        "--gradient_accumulation_steps",
+        str(accum),
+        "--main_process_port",
+        str(free_port()),
+        script,
+        *map(str, train_args),
+    ]
 
 
 def assert_processes(proc, nproc: int, accum: int = 1) -> None:
@@ -72,8 +104,22 @@ def train_records(out_dir) -> dict[int, dict]:
 def docs_data(tmp_path_factory) -> Path:
     """The built-in python-docs corpus with a 512-token BPE: small, offline, real."""
     out = tmp_path_factory.mktemp("data") / "python-docs"
-    run([sys.executable, "prepare_data.py", "--dataset", "python-docs", "--tokenizer", "bpe:512", "--output_dir", out,
-         "--validation_fraction", "0.05", "--num_proc", "2"])
+    run(
+        [
+            sys.executable,
+            "prepare_data.py",
+            "--dataset",
+            "python-docs",
+            "--tokenizer",
+            "bpe:512",
+            "--output_dir",
+            out,
+            "--validation_fraction",
+            "0.05",
+            "--num_proc",
+            "2",
+        ]
+    )
     return out
 
 
@@ -81,6 +127,20 @@ def docs_data(tmp_path_factory) -> Path:
 def trained(docs_data, tmp_path_factory) -> Path:
     """A tiny model trained for 60 steps on 3 ZeRO-3 processes (validation at steps 0, 30, 60); returns OUT."""
     out = tmp_path_factory.mktemp("trained") / "out"
-    launch(3, *TINY, "--max_steps", "60", "--micro_batch_size", "4", "--eval_every", "30", "--data_dir", docs_data, "--output_dir", out,
-           "--log_with", "tensorboard")
+    launch(
+        3,
+        *TINY,
+        "--max_steps",
+        "60",
+        "--micro_batch_size",
+        "4",
+        "--eval_every",
+        "30",
+        "--data_dir",
+        docs_data,
+        "--output_dir",
+        out,
+        "--log_with",
+        "tensorboard",
+    )
     return out

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import lmdata
+from cli import UserError
 import prepare_data
 from conftest import REPO, WIKITEXT2, needs_wikitext, run
 
@@ -19,11 +20,12 @@ WIKI = " \n = Alpha = \n \n Alpha text . \n \n = = Section = = \n \n More alpha 
 
 # --- pure functions ----------------------------------------------------------------------------------------------
 
+
 def test_wikitext_articles_split_at_top_level_titles_only():
     docs = lmdata.split_wikitext_articles(WIKI)
     assert [d.splitlines()[0] for d in docs] == [" = Alpha = ", " = Beta = "]
     assert "= = Section = =" in docs[0] and "More alpha" in docs[0]
-    assert "".join(docs) == WIKI[len(" \n"):]  # every byte after the first title is kept, once
+    assert "".join(docs) == WIKI[len(" \n") :]  # every byte after the first title is kept, once
 
 
 def test_blank_line_blocks():
@@ -64,7 +66,7 @@ def test_bpe_spec():
     assert prepare_data.parse_bpe_spec("bpe:8192") == 8192
     assert prepare_data.parse_bpe_spec("gpt2") is None
     for bad in ("bpe:abc", "bpe:", "bpe:10"):
-        with pytest.raises(lmdata.DataError, match="bpe:"):
+        with pytest.raises(UserError, match="bpe:"):
             prepare_data.parse_bpe_spec(bad)
 
 
@@ -77,6 +79,7 @@ def test_undecodable_bytes_are_replaced_and_counted(tmp_path):
 
 # --- the reader refuses what disagrees with meta.json ---------------------------------------------------------------
 
+
 def test_reader_checks_size_dtype_and_version(docs_data, tmp_path):
     meta = lmdata.read_meta(docs_data)
     train = lmdata.load_split(docs_data, "train", meta)
@@ -85,19 +88,20 @@ def test_reader_checks_size_dtype_and_version(docs_data, tmp_path):
     shutil.copytree(docs_data, bad)
     with open(bad / "train.bin", "ab") as f:
         f.write(b"\0\0")
-    with pytest.raises(lmdata.DataError, match="truncated or foreign"):
+    with pytest.raises(UserError, match="truncated or foreign"):
         lmdata.load_split(bad, "train")
     for key, value, match in (("format_version", 99, "format version"), ("dtype", "uint32", "dtype")):
         m = json.loads((docs_data / "meta.json").read_text())
         m[key] = value
         (bad / "meta.json").write_text(json.dumps(m))
-        with pytest.raises(lmdata.DataError, match=match):
+        with pytest.raises(UserError, match=match):
             lmdata.read_meta(bad)
-    with pytest.raises(lmdata.DataError, match="no meta.json"):
+    with pytest.raises(UserError, match="no meta.json"):
         lmdata.read_meta(tmp_path)
 
 
 # --- real runs ----------------------------------------------------------------------------------------------------
+
 
 def test_python_docs_needs_no_network_or_files(docs_data):
     meta = json.loads((docs_data / "meta.json").read_text())
@@ -116,8 +120,22 @@ def test_python_docs_needs_no_network_or_files(docs_data):
 def test_second_identical_run_is_a_no_op(docs_data):
     before = (docs_data / "train.bin").stat().st_mtime_ns
     t0 = time.perf_counter()
-    proc = run(PREPARE + ["--dataset", "python-docs", "--tokenizer", "bpe:512", "--output_dir", docs_data,
-                          "--validation_fraction", "0.05", "--num_proc", "2", "--overwrite"])
+    proc = run(
+        PREPARE
+        + [
+            "--dataset",
+            "python-docs",
+            "--tokenizer",
+            "bpe:512",
+            "--output_dir",
+            docs_data,
+            "--validation_fraction",
+            "0.05",
+            "--num_proc",
+            "2",
+            "--overwrite",
+        ]
+    )
     assert "up to date" in proc.stdout  # --overwrite replaces only data prepared from other inputs
     assert (docs_data / "train.bin").stat().st_mtime_ns == before
     assert time.perf_counter() - t0 < 60  # seconds, not a re-tokenization (generous: a loaded CI machine)
@@ -189,22 +207,47 @@ def test_openwebtext_preset_falls_back_to_the_hubs_parquet_conversion(tmp_path, 
     (tmp_path / "hub" / "main" / "openwebtext.py").write_text("# a loading script\n")
     docs = list(lmdata.synthetic_web_documents(300_000, seed=1))
     write_parquet(tmp_path / "hub" / "refs/convert/parquet" / "plain_text/train/0000.parquet", docs[: len(docs) // 2])
-    write_parquet(tmp_path / "hub" / "refs/convert/parquet" / "plain_text/train/0001.parquet", docs[len(docs) // 2:])
+    write_parquet(tmp_path / "hub" / "refs/convert/parquet" / "plain_text/train/0001.parquet", docs[len(docs) // 2 :])
     monkeypatch.setattr(lmdata, "HubAccess", lambda: LocalHub(tmp_path / "hub"))
     monkeypatch.setattr(lmdata, "hub_unreachable_reason", lambda: None)
     out = tmp_path / "owt"
-    assert prepare_data.main(["--dataset", "openwebtext", "--tokenizer", "bpe:300", "--output_dir", str(out),
-                              "--num_proc", "1", "--validation_fraction", "0.05"]) == 0
+    assert (
+        prepare_data.main(
+            [
+                "--dataset",
+                "openwebtext",
+                "--tokenizer",
+                "bpe:300",
+                "--output_dir",
+                str(out),
+                "--num_proc",
+                "1",
+                "--validation_fraction",
+                "0.05",
+            ]
+        )
+        == 0
+    )
     meta = lmdata.read_meta(out)
     (source,) = meta["sources"]
-    assert (source["revision"], source["commit"], source["files"]) == ("refs/convert/parquet", "sha-of-refs/convert/parquet", 2)
+    assert (source["revision"], source["commit"], source["files"]) == (
+        "refs/convert/parquet",
+        "sha-of-refs/convert/parquet",
+        2,
+    )
     assert sum(source["documents"].values()) == len(docs) and source["documents"]["validation"] > 0
     held = [json.loads(line)["text"] for line in (out / "validation.jsonl").read_text().splitlines()]
     assert held == [d for d in docs if lmdata.is_held_out(d, 0.05)]
 
     # only a partial conversion, and a script on main: one line that says what to download and how to pass it
-    shutil.move(tmp_path / "hub" / "refs/convert/parquet" / "plain_text/train", tmp_path / "hub" / "refs/convert/parquet" / "plain_text/partial-train")
-    assert prepare_data.main(["--dataset", "openwebtext", "--tokenizer", "bpe:300", "--output_dir", str(tmp_path / "o2")]) == 2
+    shutil.move(
+        tmp_path / "hub" / "refs/convert/parquet" / "plain_text/train",
+        tmp_path / "hub" / "refs/convert/parquet" / "plain_text/partial-train",
+    )
+    assert (
+        prepare_data.main(["--dataset", "openwebtext", "--tokenizer", "bpe:300", "--output_dir", str(tmp_path / "o2")])
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "partial" in err and "loading script" in err and "--dataset path/to/openwebtext" in err
     assert not (tmp_path / "o2").exists() and not (tmp_path / ".o2.partial").exists()
@@ -228,11 +271,20 @@ def test_hub_wikitext_rows_give_the_documents_of_the_local_file(tmp_path):
 
 def test_layout_splits_reads_hub_and_local_layouts():
     assert lmdata.layout_splits(["plain_text/train/0000.parquet", "plain_text/validation/0000.parquet"]) == {
-        "train": ["plain_text/train/0000.parquet"], "validation": ["plain_text/validation/0000.parquet"]}
-    assert lmdata.layout_splits(["w/test-00000-of-00001.parquet", "w/train-00000-of-00002.parquet", "w/valid.jsonl"]) == {
-        "test": ["w/test-00000-of-00001.parquet"], "train": ["w/train-00000-of-00002.parquet"], "validation": ["w/valid.jsonl"]}
-    assert lmdata.layout_splits(["a.txt", "notes/b.txt", "test_notes.txt"]) == {"train": ["a.txt", "notes/b.txt", "test_notes.txt"]}
-    with pytest.raises(lmdata.DataError, match="partial"):
+        "train": ["plain_text/train/0000.parquet"],
+        "validation": ["plain_text/validation/0000.parquet"],
+    }
+    assert lmdata.layout_splits(
+        ["w/test-00000-of-00001.parquet", "w/train-00000-of-00002.parquet", "w/valid.jsonl"]
+    ) == {
+        "test": ["w/test-00000-of-00001.parquet"],
+        "train": ["w/train-00000-of-00002.parquet"],
+        "validation": ["w/valid.jsonl"],
+    }
+    assert lmdata.layout_splits(["a.txt", "notes/b.txt", "test_notes.txt"]) == {
+        "train": ["a.txt", "notes/b.txt", "test_notes.txt"]
+    }
+    with pytest.raises(UserError, match="partial"):
         lmdata.layout_splits(["plain_text/partial-train/0000.parquet"])
 
 
@@ -244,9 +296,25 @@ def test_several_sources_jsonl_parquet_and_tolerated_input(tmp_path):
     pq.write_table(pa.table({"body": [f"row {i} " * 20 for i in range(60)]}), tmp_path / "b.parquet")
     (tmp_path / "c.txt").write_bytes(b"\xef\xbb\xbf" + b"plain text with a bad byte \xff here\r\n" * 20)
     out = tmp_path / "out"
-    proc = run(PREPARE + ["--dataset", str(tmp_path / "a.jsonl"), "--dataset", str(tmp_path / "b.parquet"),
-                          "--dataset", str(tmp_path / "c.txt"), "--text_field", "body", "--tokenizer", "bpe:300",
-                          "--output_dir", out, "--validation_fraction", "0.1"])
+    proc = run(
+        PREPARE
+        + [
+            "--dataset",
+            str(tmp_path / "a.jsonl"),
+            "--dataset",
+            str(tmp_path / "b.parquet"),
+            "--dataset",
+            str(tmp_path / "c.txt"),
+            "--text_field",
+            "body",
+            "--tokenizer",
+            "bpe:300",
+            "--output_dir",
+            out,
+            "--validation_fraction",
+            "0.1",
+        ]
+    )
     meta = lmdata.read_meta(out)
     assert [sum(s["documents"].values()) for s in meta["sources"]] == [60, 60, 2]  # c.txt: one document, cut in two
     c = meta["sources"][2]
@@ -262,15 +330,30 @@ def test_one_big_text_file_with_a_document_separator(tmp_path):
     (tmp_path / "eot.txt").write_text("<|endoftext|>".join(docs))
     for name, separator in (("owt_sample.txt", "blank_line"), ("eot.txt", "<|endoftext|>")):
         out = tmp_path / f"out-{separator[:5]}"
-        run(PREPARE + ["--dataset", str(tmp_path / name), "--doc_separator", separator, "--tokenizer", "bpe:300",
-                       "--output_dir", out, "--validation_fraction", "0.1"])
+        run(
+            PREPARE
+            + [
+                "--dataset",
+                str(tmp_path / name),
+                "--doc_separator",
+                separator,
+                "--tokenizer",
+                "bpe:300",
+                "--output_dir",
+                out,
+                "--validation_fraction",
+                "0.1",
+            ]
+        )
         meta = lmdata.read_meta(out)
         expected = [p for d in docs for p in d.split("\n\n")] if separator == "blank_line" else docs
         assert sum(s["documents"] for s in meta["splits"].values()) == len(expected), separator
 
 
 def web_corpus(path, n_bytes):
-    path.write_text("".join(json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in lmdata.synthetic_web_documents(n_bytes)))
+    path.write_text(
+        "".join(json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in lmdata.synthetic_web_documents(n_bytes))
+    )
     return path
 
 
@@ -281,7 +364,19 @@ def test_same_bytes_whatever_num_proc(docs_data, tmp_path):
     outs = []
     for n in (1, 2):
         outs.append(tmp_path / f"np{n}")
-        run(PREPARE + ["--dataset", corpus, "--tokenizer", docs_data / "tokenizer", "--output_dir", outs[-1], "--num_proc", str(n)])
+        run(
+            PREPARE
+            + [
+                "--dataset",
+                corpus,
+                "--tokenizer",
+                docs_data / "tokenizer",
+                "--output_dir",
+                outs[-1],
+                "--num_proc",
+                str(n),
+            ]
+        )
     for name in ("train.bin", "validation.bin", "validation.jsonl", "tokenizer/tokenizer.json"):
         assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
     a, b = (json.loads((d / "meta.json").read_text()) for d in outs)
@@ -296,8 +391,18 @@ def test_killed_run_resumes_from_its_checkpoint_to_identical_bytes(docs_data, tm
 
     corpus = web_corpus(tmp_path / "web.jsonl", 6_000_000)
     out = tmp_path / "out"
-    cmd = PREPARE + ["--dataset", str(corpus), "--tokenizer", str(docs_data / "tokenizer"), "--output_dir", str(out),
-                     "--checkpoint_mb", "1", "--num_proc", "2"]
+    cmd = PREPARE + [
+        "--dataset",
+        str(corpus),
+        "--tokenizer",
+        str(docs_data / "tokenizer"),
+        "--output_dir",
+        str(out),
+        "--checkpoint_mb",
+        "1",
+        "--num_proc",
+        "2",
+    ]
     run(cmd)
     reference = tmp_path / "reference"
     out.rename(reference)
@@ -309,7 +414,9 @@ def test_killed_run_resumes_from_its_checkpoint_to_identical_bytes(docs_data, tm
         return (partial / "train.bin").stat().st_size > 2 * progress["splits"]["train"]["tokens"]  # uint16 ids
 
     for attempt in range(5):  # a checkpoint can land between seeing the extra tokens and the kill: then again
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
         deadline = time.time() + 300
         while time.time() < deadline and proc.poll() is None:
             try:
@@ -340,7 +447,10 @@ def test_overwrite_deletes_only_what_prepare_data_wrote(docs_data, tmp_path):
     shutil.copytree(docs_data, project)
     (project / "notes.md").write_text("my notes")  # a user's file beside the prepared data
     (project / "src").mkdir()
-    proc = run(PREPARE + ["--dataset", "python-docs", "--tokenizer", "bpe:512", "--output_dir", project, "--overwrite"], check=False)
+    proc = run(
+        PREPARE + ["--dataset", "python-docs", "--tokenizer", "bpe:512", "--output_dir", project, "--overwrite"],
+        check=False,
+    )
     assert proc.returncode == 2 and "notes.md, src" in proc.stderr and "nothing was deleted" in proc.stderr
     assert (project / "notes.md").read_text() == "my notes" and (project / "train.bin").is_file()
     home = tmp_path / "home"
@@ -352,6 +462,7 @@ def test_overwrite_deletes_only_what_prepare_data_wrote(docs_data, tmp_path):
 
 
 # --- bad input: one-line error, exit 2, nothing written ---------------------------------------------------------------
+
 
 def bad_inputs(tmp_path):
     (tmp_path / "empty.txt").write_text("")
@@ -370,24 +481,44 @@ def bad_inputs(tmp_path):
         "no text field": (["--dataset", str(tmp_path / "nofield.jsonl")], "nofield.jsonl:2 has no 'text' field"),
         "non-string text": (["--dataset", str(tmp_path / "number.jsonl")], "number.jsonl:2: 'text' holds a int"),
         "utf-16": (["--dataset", str(tmp_path / "utf16.txt")], "utf16.txt is UTF-16"),
-        "empty validation": (["--dataset", str(tmp_path / "few.jsonl"), "--validation_fraction", "0.01"],
-                             "none of its 3 documents fell in the validation split"),
+        "empty validation": (
+            ["--dataset", str(tmp_path / "few.jsonl"), "--validation_fraction", "0.01"],
+            "none of its 3 documents fell in the validation split",
+        ),
         "unknown preset": (["--dataset", "wikitext-5"], "known preset"),
         "bpe not a number": (["--dataset", "python-docs", "--tokenizer", "bpe:lots"], "bpe: takes a vocabulary size"),
         "hub offline": (["--dataset", "wikitext-103"], "local copy"),
     }
 
 
-@pytest.mark.parametrize("case", ["missing path", "empty file", "whitespace-only split", "no text field", "non-string text",
-                                  "utf-16", "empty validation", "unknown preset", "bpe not a number", "hub offline"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing path",
+        "empty file",
+        "whitespace-only split",
+        "no text field",
+        "non-string text",
+        "utf-16",
+        "empty validation",
+        "unknown preset",
+        "bpe not a number",
+        "hub offline",
+    ],
+)
 def test_bad_input_fails_cleanly(tmp_path, case):
     args, message = bad_inputs(tmp_path)[case]
     out = tmp_path / "out"
     before = sorted(p.name for p in tmp_path.iterdir())
     t0 = time.perf_counter()
     # HF_ENDPOINT at a closed local port: "offline" on any machine, and it must fail fast, not retry for minutes.
-    proc = run(PREPARE + args + ["--output_dir", out, "--tokenizer", "bpe:300"] if "--tokenizer" not in args else PREPARE + args + ["--output_dir", out],
-               check=False, env={"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0"})
+    proc = run(
+        PREPARE + args + ["--output_dir", out, "--tokenizer", "bpe:300"]
+        if "--tokenizer" not in args
+        else PREPARE + args + ["--output_dir", out],
+        check=False,
+        env={"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0"},
+    )
     assert proc.returncode == 2, proc.stderr
     lines = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
     assert len(lines) == 1 and message in lines[0], proc.stderr

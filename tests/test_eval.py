@@ -8,11 +8,16 @@ import pytest
 import torch
 
 import eval as ev
+import lmloss
 from conftest import WIKITEXT2, needs_wikitext, run
 
 EVAL = [sys.executable, "eval.py"]
-DOCS = ["The quick brown fox jumps over the lazy dog. " * 6, "def f(x):\n    return x + 1\n", "A short one.",
-        "Python's documentation is a corpus too; it has many, many words in it. " * 4]
+DOCS = [
+    "The quick brown fox jumps over the lazy dog. " * 6,
+    "def f(x):\n    return x + 1\n",
+    "A short one.",
+    "Python's documentation is a corpus too; it has many, many words in it. " * 4,
+]
 
 
 @pytest.fixture(scope="module")
@@ -22,9 +27,18 @@ def small_model(docs_data, tmp_path_factory):
 
     tok = AutoTokenizer.from_pretrained(docs_data / "tokenizer")
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                                         tie_word_embeddings=False))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=512,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+        )
+    )
     out = tmp_path_factory.mktemp("model") / "random"
     model.save_pretrained(out)
     tok.save_pretrained(out)
@@ -51,7 +65,7 @@ def brute_force_nll(model, tok, docs, max_length, stride):
 def test_rolling_windows_score_each_token_once():
     for n in (1, 5, 16, 17, 40):
         for length, stride in ((16, 16), (16, 5), (8, 1)):
-            windows = ev.rolling_windows(n, length, stride)
+            windows = lmloss.rolling_windows(n, length, stride)
             scored = [t for _, first, end in windows for t in range(first, end)]
             assert scored == list(range(1, n + 1))
             assert all(end - 1 - start <= length for start, _, end in windows)
@@ -63,14 +77,45 @@ def test_nll_equals_brute_force(small_model, stride, tmp_path):
 
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
-    report = ev.evaluate(ev.Config(model=str(small_model), dataset=str(data), split="test", max_length=16, stride=stride,
-                                   batch_size=3, dtype="float32"))
+    report = ev.evaluate(
+        ev.Config(
+            model=str(small_model),
+            dataset=str(data),
+            split="test",
+            max_length=16,
+            stride=stride,
+            batch_size=3,
+            dtype="float32",
+        )
+    )
     model = AutoModelForCausalLM.from_pretrained(small_model, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(small_model)
     expected = brute_force_nll(model, tok, DOCS, 16, stride)
     assert report["nll"] == pytest.approx(expected, rel=1e-5)
     assert report["tokens"] == sum(len(tok(d, add_special_tokens=False)["input_ids"]) for d in DOCS)
     assert report["documents"] == len(DOCS)
+
+
+def test_loss_window_by_window_only_where_logits_are_the_output_layers(small_model):
+    """score_windows takes the loss over the last hidden states, window by window, only when that gives the model's
+    own logits; Gemma 2 caps its logits (final_logit_softcapping), so it gets the whole forward pass."""
+    from transformers import AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM
+
+    llama = AutoModelForCausalLM.from_pretrained(small_model).eval()
+    assert lmloss.separable_head(llama, torch.device("cpu")) is llama.lm_head
+    gemma = Gemma2ForCausalLM(
+        Gemma2Config(
+            vocab_size=512,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=16,
+            final_logit_softcapping=30.0,
+        )
+    ).eval()
+    assert lmloss.separable_head(gemma, torch.device("cpu")) is None
 
 
 def test_report_is_consistent():
@@ -86,15 +131,41 @@ def test_bad_inputs(small_model, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tiny_vocab = tmp_path / "tiny_vocab"
-    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(tiny_vocab)
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    ).save_pretrained(tiny_vocab)
     (tmp_path / "empty.txt").write_text("\n\n")
     (tmp_path / "ok.txt").write_text("Some text.\n\nMore text.\n")
     cases = [
         (["--model", str(tmp_path), "--dataset", str(tmp_path / "ok.txt")], "not a model directory"),
-        (["--model", str(tiny_vocab), "--tokenizer", str(small_model), "--dataset", str(tmp_path / "ok.txt")], "vocab_size is 64"),
-        (["--model", str(small_model), "--dataset", str(tmp_path / "empty.txt")], "empty.txt is empty (whitespace only)"),
-        (["--model", str(small_model), "--dataset", str(tmp_path / "ok.txt"), "--max_length", "16", "--stride", "32"], "--stride 32 must be between 1 and --max_length 16"),
+        (
+            ["--model", str(tiny_vocab), "--tokenizer", str(small_model), "--dataset", str(tmp_path / "ok.txt")],
+            "vocab_size is 64",
+        ),
+        (
+            ["--model", str(small_model), "--dataset", str(tmp_path / "empty.txt")],
+            "empty.txt is empty (whitespace only)",
+        ),
+        (
+            [
+                "--model",
+                str(small_model),
+                "--dataset",
+                str(tmp_path / "ok.txt"),
+                "--max_length",
+                "16",
+                "--stride",
+                "32",
+            ],
+            "--stride 32 must be between 1 and --max_length 16",
+        ),
     ]
     for args, message in cases:
         out = tmp_path / "report.json"
@@ -107,14 +178,30 @@ def test_bad_inputs(small_model, tmp_path):
 @needs_wikitext
 def test_wikitext_test_split_end_to_end(trained, tmp_path):
     out = tmp_path / "wt2.json"
-    proc = run(EVAL + ["--model", str(trained / "final"), "--dataset", str(WIKITEXT2 / "wiki.test.raw"),
-                       "--batch_size", "16", "--output_json", str(out)])
+    proc = run(
+        EVAL
+        + [
+            "--model",
+            str(trained / "final"),
+            "--dataset",
+            str(WIKITEXT2 / "wiki.test.raw"),
+            "--batch_size",
+            "16",
+            "--output_json",
+            str(out),
+        ]
+    )
     report = json.loads(out.read_text())
     # The harness's pages: the file less its leading blank line and each page's final newline but the last one's.
     assert report["documents"] == 62 and report["bytes"] == len((WIKITEXT2 / "wiki.test.raw").read_bytes()) - 2 - 61
-    assert report["text_transform"] == ev.HARNESS_TRANSFORM and "text transform: lm-eval wikitext_detokenizer" in proc.stdout
+    assert (
+        report["text_transform"] == ev.HARNESS_TRANSFORM
+        and "text transform: lm-eval wikitext_detokenizer" in proc.stdout
+    )
     assert 1 < report["token_perplexity"] < 512  # a trained model beats uniform over its 512-token vocabulary
-    raw = ev.evaluate(ev.Config(model=str(trained / "final"), dataset=str(WIKITEXT2), split="test", batch_size=16, raw_text=True))
+    raw = ev.evaluate(
+        ev.Config(model=str(trained / "final"), dataset=str(WIKITEXT2), split="test", batch_size=16, raw_text=True)
+    )
     assert raw["text_transform"] == "none" and (raw["words"], raw["bytes"]) == (report["words"], report["bytes"])
     assert raw["tokens"] != report["tokens"]  # the detokenized text is another token stream
 
@@ -124,7 +211,10 @@ def test_wikitext_errors_name_the_file_and_the_splits(small_model, tmp_path):
     wiki.mkdir()
     (wiki / "wiki.test.raw").write_text(" \n Just a paragraph with no title line . \n")
     cases = [
-        (["--dataset", str(wiki / "wiki.test.raw")], f"{wiki / 'wiki.test.raw'} is named like a WikiText file but has no article title"),
+        (
+            ["--dataset", str(wiki / "wiki.test.raw")],
+            f"{wiki / 'wiki.test.raw'} is named like a WikiText file but has no article title",
+        ),
         (["--dataset", str(wiki), "--split", "validation"], "has no 'validation' split (it has ['test'])"),
     ]
     for args, message in cases:
@@ -139,11 +229,23 @@ def test_documents_split_over_processes_give_the_same_nll(trained, docs_data, tm
     from conftest import free_port
 
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    args = ["eval.py", "--model", str(trained / "final"), "--dataset", str(docs_data), "--split", "validation", "--max_length", "64"]
+    args = [
+        "eval.py",
+        "--model",
+        str(trained / "final"),
+        "--dataset",
+        str(docs_data),
+        "--split",
+        "validation",
+        "--max_length",
+        "64",
+    ]
     one, two = tmp_path / "one.json", tmp_path / "two.json"
     run([sys.executable, *args, "--output_json", str(one)])
-    proc = run([torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), *args, "--output_json", str(two)],
-               env={"ACCELERATE_USE_CPU": "1"})
+    proc = run(
+        [torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), *args, "--output_json", str(two)],
+        env={"ACCELERATE_USE_CPU": "1"},
+    )
     assert ", 2 processes" in proc.stdout
     a, b = json.loads(one.read_text()), json.loads(two.read_text())
     assert (a["processes"], b["processes"]) == (1, 2)

@@ -2,13 +2,13 @@
 test pages and the harness's own `wikitext` task definition (its detokenizer and process_results), read from a local
 JSONL because the Hub is out of reach. Word perplexity, byte perplexity and bits per byte must agree to 1e-6."""
 
-
 import pytest
 import torch
 
 import eval as ev
 import lmdata
 from conftest import WIKITEXT2, needs_wikitext, run
+
 
 def test_harness_pages_split_at_titles_and_drop_the_newline():
     text = " \n = A = \n \n a text . \n \n = = S = = \n \n more \n = B = \n \n b \n"
@@ -26,7 +26,8 @@ def test_hub_rows_give_back_the_raw_file():
 
 @needs_wikitext
 def test_pages_are_the_harness_datasets():
-    """EleutherAI/wikitext_document_level's test split, as counted from the Hub: 62 pages, 1,290,527 bytes, 241,335 words."""
+    """EleutherAI/wikitext_document_level's test split, as counted from the Hub: 62 pages, 1,290,527 bytes,
+    241,335 words."""
     pages = lmdata.harness_wikitext_pages((WIKITEXT2 / "wiki.test.raw").read_text(encoding="utf-8"))
     assert len(pages) == 62
     assert sum(len(p.encode("utf-8")) for p in pages) == 1_290_527
@@ -35,13 +36,23 @@ def test_pages_are_the_harness_datasets():
 
 @pytest.fixture(scope="module")
 def tied_gpt2(docs_data, tmp_path_factory):
-    """A second architecture: GPT-2 (learned positions, tied embeddings), 128-token context so pages span many windows."""
+    """A second architecture: GPT-2 (learned positions, tied embeddings), 128-token context so pages span many
+    windows."""
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
     tok = AutoTokenizer.from_pretrained(docs_data / "tokenizer")
     torch.manual_seed(1)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=512, n_embd=32, n_layer=2, n_head=2, n_positions=128,
-                                       bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id))
+    model = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=512,
+            n_embd=32,
+            n_layer=2,
+            n_head=2,
+            n_positions=128,
+            bos_token_id=tok.eos_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+    )
     assert model.config.tie_word_embeddings
     out = tmp_path_factory.mktemp("gpt2") / "model"
     model.save_pretrained(out)
@@ -64,10 +75,15 @@ def harness_wikitext(model_dir, tmp_path) -> dict:
 def test_eval_equals_lm_evaluation_harness(which, trained, tied_gpt2, tmp_path):
     model_dir = trained / "final" if which == "trained llama" else tied_gpt2
     harness = harness_wikitext(model_dir, tmp_path)
-    ours = ev.evaluate(ev.Config(model=str(model_dir), dataset=str(WIKITEXT2 / "wiki.test.raw"), split="test", dtype="float32",
-                                 batch_size=8))
+    ours = ev.evaluate(
+        ev.Config(
+            model=str(model_dir), dataset=str(WIKITEXT2 / "wiki.test.raw"), split="test", dtype="float32", batch_size=8
+        )
+    )
     assert ours["documents"] == 62 and ours["text_transform"] == ev.HARNESS_TRANSFORM
-    print(f"\n{which}: harness {harness}\n{which}: eval.py word {ours['word_perplexity']} byte {ours['byte_perplexity']} "
-          f"bpb {ours['bits_per_byte']}")
+    print(
+        f"\n{which}: harness {harness}\n{which}: eval.py word {ours['word_perplexity']} byte {ours['byte_perplexity']} "
+        f"bpb {ours['bits_per_byte']}"
+    )
     for key in ("word_perplexity", "byte_perplexity", "bits_per_byte"):
         assert ours[key] == pytest.approx(harness[key], rel=1e-6), key

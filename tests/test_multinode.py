@@ -10,10 +10,26 @@ from test_train import assert_same_weights
 def launch_two_machines(*train_args, cwds=(REPO, REPO)):
     """Machine 0 and machine 1, one process each, over loopback; `cwds` are their working directories."""
     port = str(free_port())
-    base = [ACCELERATE, "launch", "--config_file", CPU_CONFIG, "--num_machines", "2", "--num_processes", "2",
-            "--main_process_ip", "127.0.0.1", "--main_process_port", port, "--deepspeed_multinode_launcher", "standard"]
+    base = [
+        ACCELERATE,
+        "launch",
+        "--config_file",
+        CPU_CONFIG,
+        "--num_machines",
+        "2",
+        "--num_processes",
+        "2",
+        "--main_process_ip",
+        "127.0.0.1",
+        "--main_process_port",
+        port,
+        "--deepspeed_multinode_launcher",
+        "standard",
+    ]
     args = [str(REPO / "train.py"), *map(str, train_args)]
-    second = subprocess.Popen(base + ["--machine_rank", "1"] + args, cwd=cwds[1], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    second = subprocess.Popen(
+        base + ["--machine_rank", "1"] + args, cwd=cwds[1], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         first = run(base + ["--machine_rank", "0"] + args, cwd=cwds[0])
         out, _ = second.communicate(timeout=300)

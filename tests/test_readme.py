@@ -39,7 +39,7 @@ def test_every_script_config_and_flag_exists():
         script_at = next((i for i, t in enumerate(cmd) if t in SCRIPTS), None)
         if script_at is None:
             continue
-        script, before, after = cmd[script_at], cmd[:script_at], cmd[script_at + 1:]
+        script, before, after = cmd[script_at], cmd[:script_at], cmd[script_at + 1 :]
         assert (REPO / script).is_file()
         try:
             HfArgumentParser(script_config(script), allow_abbrev=False).parse_args_into_dataclasses(after)

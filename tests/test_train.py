@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import checkpoint
+from cli import UserError
 from conftest import REPO, TINY, launch, launch_cmd, metrics, run, train_records
 
 STEPS = ["--max_steps", "10"]
@@ -48,7 +50,10 @@ def ref(docs_data, tmp_path_factory):
 
 def test_three_processes_partition_the_parameters(ref):
     out, proc = ref
-    held = [float(x) / 100 for x in re.search(r"parameters held per process: ([\d.% ]+)", proc.stdout).group(1).replace("%", "").split()]
+    held = [
+        float(x) / 100
+        for x in re.search(r"parameters held per process: ([\d.% ]+)", proc.stdout).group(1).replace("%", "").split()
+    ]
     assert len(held) == 3
     assert all(0.30 < h < 0.40 for h in held), held  # each rank about a third, not the whole model
     assert "DEEPSPEED, fp32" in proc.stdout and "2 micro x 1 accumulation x 3 processes = 6 sequences" in proc.stdout
@@ -76,7 +81,20 @@ def test_gradient_accumulation_equals_a_bigger_micro_batch(ref, docs_data, tmp_p
 def test_resume_is_exact(ref, docs_data, tmp_path):
     """The second command gives only what changes: every other setting comes from the checkpoint."""
     out = tmp_path / "resumed"
-    launch(3, *TINY, "--micro_batch_size", "2", "--data_dir", docs_data, "--output_dir", out, "--lr_decay_steps", "10", "--max_steps", "5")
+    launch(
+        3,
+        *TINY,
+        "--micro_batch_size",
+        "2",
+        "--data_dir",
+        docs_data,
+        "--output_dir",
+        out,
+        "--lr_decay_steps",
+        "10",
+        "--max_steps",
+        "5",
+    )
     proc = launch(3, "--output_dir", out, "--max_steps", "10", "--resume", "auto", "--log_every", "5")
     assert "resumed from" in proc.stdout and "step_5" in proc.stdout
     taken = next(l for l in proc.stdout.splitlines() if l.startswith("settings from step_5:"))
@@ -100,13 +118,13 @@ def test_validation_loss_falls_and_final_model_loads(trained, docs_data):
     assert list(out.rglob("events.out.tfevents.*")), "--log_with tensorboard wrote no event file"
     # OUT/final in a fresh process: its validation loss equals the one the training processes logged.
     script = f"""
-import sys; sys.path.insert(0, "."); import json, torch, numpy as np, lmdata, eval as ev
+import sys; sys.path.insert(0, "."); import json, torch, numpy as np, lmdata, lmloss
 from transformers import AutoModelForCausalLM
-m = AutoModelForCausalLM.from_pretrained("{out / 'final'}").eval()
+m = AutoModelForCausalLM.from_pretrained("{out / "final"}").eval()
 tokens = lmdata.load_split("{docs_data}", "validation")[: 2048 + 1]
 rows = torch.from_numpy(np.stack([lmdata.window(tokens, i, 32) for i in range(lmdata.num_windows(len(tokens), 32))]))
 with torch.no_grad():
-    nll, n = ev.nll_sum(m(input_ids=rows[:, :-1]).logits, rows[:, 1:])
+    nll, n = lmloss.nll_sum(m(input_ids=rows[:, :-1]).logits, rows[:, 1:])
 print(json.dumps(float(nll / n)))
 """
     fresh = json.loads(run([sys.executable, "-c", script]).stdout.strip().splitlines()[-1])
@@ -133,7 +151,9 @@ def test_sigterm_saves_and_resume_matches(ref, docs_data, tmp_path):
 def test_sigkill_while_saving_keeps_previous_checkpoint(ref, docs_data, tmp_path):
     out = tmp_path / "killed"
     args = [*TINY, *STEPS, "--micro_batch_size", "2", "--save_every", "2", "--data_dir", docs_data, "--output_dir", out]
-    proc = launch(3, *args, check=False, env={"TRAIN_TEST_FAULT": "sigkill_in_save:1:4", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"})
+    proc = launch(
+        3, *args, check=False, env={"TRAIN_TEST_FAULT": "sigkill_in_save:1:4", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"}
+    )
     assert proc.returncode != 0
     ckpts = out / "checkpoints"
     assert (ckpts / "step_2" / "trainer_state.json").is_file()
@@ -161,8 +181,21 @@ def test_nan_loss_stops_without_writing(docs_data, tmp_path):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     out = tmp_path / "nan"
-    proc = launch(3, *TINY, *STEPS, "--micro_batch_size", "2", "--save_every", "2", "--data_dir", docs_data,
-                  "--output_dir", out, check=False, env={"TRAIN_TEST_FAULT": "nan_loss:0:3"})
+    proc = launch(
+        3,
+        *TINY,
+        *STEPS,
+        "--micro_batch_size",
+        "2",
+        "--save_every",
+        "2",
+        "--data_dir",
+        docs_data,
+        "--output_dir",
+        out,
+        check=False,
+        env={"TRAIN_TEST_FAULT": "nan_loss:0:3"},
+    )
     assert proc.returncode != 0
     assert "step 3: loss nan" in proc.stdout and "not finite" in proc.stdout
     ckpts = out / "checkpoints"
@@ -174,8 +207,20 @@ def test_nan_loss_stops_without_writing(docs_data, tmp_path):
 def test_resume_with_other_world_size_is_refused(ref, docs_data):
     out = ref[0]
     before = (out / "metrics.jsonl").read_text()
-    proc = launch(1, *TINY, *STEPS, "--micro_batch_size", "2", "--data_dir", docs_data, "--output_dir", out,
-                  "--resume", "auto", check=False)
+    proc = launch(
+        1,
+        *TINY,
+        *STEPS,
+        "--micro_batch_size",
+        "2",
+        "--data_dir",
+        docs_data,
+        "--output_dir",
+        out,
+        "--resume",
+        "auto",
+        check=False,
+    )
     assert proc.returncode != 0
     assert "world_size=3" in proc.stdout and "world_size=1" in proc.stdout
     assert (out / "metrics.jsonl").read_text() == before
@@ -206,14 +251,32 @@ def startup_cases(docs_data, tmp_path):
         "non-empty output": (["--data_dir", d, "--output_dir", str(busy)], "is not empty; pass --resume auto"),
         "unwritable output": (["--data_dir", d, "--output_dir", str(a_file / "out")], "not a writable directory"),
         "bad resume path": (["--data_dir", d, "--resume", str(foreign)], "not a complete checkpoint"),
-        "resume into a foreign dir": (["--data_dir", d, "--output_dir", str(project), "--resume", "auto"], "no train.py run"),
-        "eval_tokens under seq_len": (["--data_dir", d, "--seq_len", "64", "--eval_tokens", "32"], "--eval_tokens 32 is less than"),
+        "resume into a foreign dir": (
+            ["--data_dir", d, "--output_dir", str(project), "--resume", "auto"],
+            "no train.py run",
+        ),
+        "eval_tokens under seq_len": (
+            ["--data_dir", d, "--seq_len", "64", "--eval_tokens", "32"],
+            "--eval_tokens 32 is less than",
+        ),
     }
 
 
-@pytest.mark.parametrize("case", ["missing data", "foreign data", "seq_len over context", "vocab mismatch", "batch size",
-                                  "non-empty output", "unwritable output", "bad resume path", "resume into a foreign dir",
-                                  "eval_tokens under seq_len"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing data",
+        "foreign data",
+        "seq_len over context",
+        "vocab mismatch",
+        "batch size",
+        "non-empty output",
+        "unwritable output",
+        "bad resume path",
+        "resume into a foreign dir",
+        "eval_tokens under seq_len",
+    ],
+)
 def test_startup_errors(docs_data, tmp_path, case):
     args, message = startup_cases(docs_data, tmp_path)[case]
     out = tmp_path / "out"
@@ -232,24 +295,47 @@ def test_init_from_loads_weights_under_zero3(trained, docs_data, tmp_path):
     """--init_from builds the model from a Hugging Face directory under zero.Init: its step-0 validation loss is
     the loss the source run ended with, so the weights really arrived in the shards."""
     out = tmp_path / "continued"
-    launch(2, *TINY, "--max_steps", "2", "--micro_batch_size", "4", "--data_dir", docs_data, "--output_dir", out,
-           "--init_from", trained / "final")
+    launch(
+        2,
+        *TINY,
+        "--max_steps",
+        "2",
+        "--micro_batch_size",
+        "4",
+        "--data_dir",
+        docs_data,
+        "--output_dir",
+        out,
+        "--init_from",
+        trained / "final",
+    )
     start = next(r for r in metrics(out) if r["step"] == 0)["val_loss"]
     source = [r for r in metrics(trained) if "val_loss" in r][-1]["val_loss"]
     assert start == pytest.approx(source, rel=1e-5)
 
 
-@pytest.mark.parametrize("key", ["world_size", "micro_batch_size", "grad_accum_steps", "seq_len", "seed", "data_fingerprint", "model_config_hash"])
+@pytest.mark.parametrize(
+    "key",
+    ["world_size", "micro_batch_size", "grad_accum_steps", "seq_len", "seed", "data_fingerprint", "model_config_hash"],
+)
 def test_resume_refuses_any_difference(key):
     import train
 
-    state = {"world_size": 3, "micro_batch_size": 2, "grad_accum_steps": 1, "seq_len": 32, "seed": 0,
-             "data_fingerprint": "abc", "model_config_hash": "def", "step": 5}
+    state = {
+        "world_size": 3,
+        "micro_batch_size": 2,
+        "grad_accum_steps": 1,
+        "seq_len": 32,
+        "seed": 0,
+        "data_fingerprint": "abc",
+        "model_config_hash": "def",
+        "step": 5,
+    }
     current = {k: v for k, v in state.items() if k != "step"}
-    train.check_resume_compatible(state, current, Path("ckpt"))
+    checkpoint.check_resume_compatible(state, current, Path("ckpt"))
     changed = {**current, key: "other"}
-    with pytest.raises(train.StartupError, match=f"{key}="):
-        train.check_resume_compatible(state, changed, Path("ckpt"))
+    with pytest.raises(UserError, match=f"{key}="):
+        checkpoint.check_resume_compatible(state, changed, Path("ckpt"))
 
 
 def test_torchrun_without_accelerate_use_cpu_is_refused(docs_data, tmp_path):
@@ -259,12 +345,27 @@ def test_torchrun_without_accelerate_use_cpu_is_refused(docs_data, tmp_path):
 
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     out = tmp_path / "out"
-    cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), "train.py", *TINY, "--max_steps", "2",
-           "--data_dir", docs_data, "--output_dir", out]
+    cmd = [
+        torchrun,
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "train.py",
+        *TINY,
+        "--max_steps",
+        "2",
+        "--data_dir",
+        docs_data,
+        "--output_dir",
+        out,
+    ]
     proc = run(cmd, check=False, env={"ACCELERATE_USE_CPU": "0"})
     assert proc.returncode != 0
     errors = [l for l in proc.stdout.splitlines() if l.startswith("error:")]
-    assert len(errors) == 1 and "2 processes were started" in errors[0] and "ACCELERATE_USE_CPU=1" in errors[0], proc.stdout
+    assert len(errors) == 1 and "2 processes were started" in errors[0] and "ACCELERATE_USE_CPU=1" in errors[0], (
+        proc.stdout
+    )
     assert not out.exists()
 
 
@@ -273,8 +374,23 @@ def test_cpu_config_runs_any_accelerate_script(docs_data):
     on it too (before, it stopped: "Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided")."""
     from conftest import launch_cmd
 
-    proc = run(launch_cmd(2, "--data_dir", docs_data, "--model_config", "tiny", "--seq_len", "32", "--micro_batch_size", "2",
-                          "--steps", "4", script="bench/bare_accelerate_loop.py", accum=2))
+    proc = run(
+        launch_cmd(
+            2,
+            "--data_dir",
+            docs_data,
+            "--model_config",
+            "tiny",
+            "--seq_len",
+            "32",
+            "--micro_batch_size",
+            "2",
+            "--steps",
+            "4",
+            script="bench/bare_accelerate_loop.py",
+            accum=2,
+        )
+    )
     result = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("{")))
     assert (result["processes"], result["grad_accum_steps"], result["distributed_type"]) == (2, 2, "DEEPSPEED")
     assert result["final_loss"] > 0 and result["tokens_per_s"] > 0
@@ -284,7 +400,9 @@ def test_bf16_on_cpu_processes(docs_data, tmp_path):
     """The CPU config's JSON leaves precision to the launch: `--mixed_precision bf16` trains in bf16 under ZeRO-3 (fast
     only on CPUs with AMX or AVX512-BF16; here it only has to run and learn nothing wrong)."""
     out = tmp_path / "bf16"
-    cmd = launch_cmd(2, *TINY, "--max_steps", "3", "--micro_batch_size", "2", "--data_dir", docs_data, "--output_dir", out)
+    cmd = launch_cmd(
+        2, *TINY, "--max_steps", "3", "--micro_batch_size", "2", "--data_dir", docs_data, "--output_dir", out
+    )
     proc = run(cmd[:2] + ["--mixed_precision", "bf16"] + cmd[2:])
     assert "x 2 processes" in proc.stdout and "DEEPSPEED, bf16" in proc.stdout
     assert all(math.isfinite(r["loss"]) for r in train_records(out).values())

@@ -1,10 +1,15 @@
-"""train.py arithmetic: LR schedule, batch plan, sample layout, FLOPs and MFU."""
+"""Arithmetic of train.py and its modules: LR schedule, batch plan, sample layout, FLOPs and MFU, memory plan,
+resume settings."""
 
 import math
 
 import pytest
 
+import checkpoint
+import cli
+import plan
 import train
+from cli import UserError
 
 
 def test_lr_warmup_then_cosine_to_floor():
@@ -12,24 +17,24 @@ def test_lr_warmup_then_cosine_to_floor():
     # runs over steps 2..9 (progress (step - 2) / 7) and its last step is the floor.
     expected = {0: 1 / 3, 1: 2 / 3, 2: 1.0, 3: 0.9554359905560886, 6: 0.44986557971965853, 9: 0.1}
     for step, lr in expected.items():
-        assert train.lr_at(step, 1.0, 3, 10, 0.1) == pytest.approx(lr, rel=1e-12), step
-    lrs = [train.lr_at(s, 1.0, 3, 10, 0.1) for s in range(10)]
+        assert plan.lr_at(step, 1.0, 3, 10, 0.1) == pytest.approx(lr, rel=1e-12), step
+    lrs = [plan.lr_at(s, 1.0, 3, 10, 0.1) for s in range(10)]
     assert lrs.count(1.0) == 1 and all(a > b for a, b in zip(lrs[2:], lrs[3:]))
-    assert train.lr_at(25, 1.0, 3, 10, 0.1) == pytest.approx(0.1)  # past the schedule: the floor
-    assert train.lr_at(0, 1.0, 0, 5, 0.0) == 1.0 and train.lr_at(4, 1.0, 0, 5, 0.0) == 0.0  # no warmup
+    assert plan.lr_at(25, 1.0, 3, 10, 0.1) == pytest.approx(0.1)  # past the schedule: the floor
+    assert plan.lr_at(0, 1.0, 0, 5, 0.0) == 1.0 and plan.lr_at(4, 1.0, 0, 5, 0.0) == 0.0  # no warmup
 
 
 def test_batch_plan_and_steps():
-    plan = train.batch_plan(4, 8, 3, 2048)
-    assert plan["sequences_per_step"] == 96 and plan["tokens_per_step"] == 96 * 2048
-    assert train.total_steps_for(0, 1.0, 1000, 96) == math.ceil(1000 / 96)
-    assert train.total_steps_for(50, 1.0, 1000, 96) == 50
+    batch = plan.batch_plan(4, 8, 3, 2048)
+    assert batch["sequences_per_step"] == 96 and batch["tokens_per_step"] == 96 * 2048
+    assert plan.total_steps_for(0, 1.0, 1000, 96) == math.ceil(1000 / 96)
+    assert plan.total_steps_for(50, 1.0, 1000, 96) == 50
 
 
 def test_sample_layout_depends_only_on_global_batch():
-    three = train.batch_plan(2, 1, 3, 32)
-    one = train.batch_plan(6, 1, 1, 32)
-    accum = train.batch_plan(2, 3, 1, 32)
+    three = plan.batch_plan(2, 1, 3, 32)
+    one = plan.batch_plan(6, 1, 1, 32)
+    accum = plan.batch_plan(2, 3, 1, 32)
     for step in range(4):
         a = sorted(i for r in range(3) for i in train.sample_ids(step, 0, r, three))
         b = list(train.sample_ids(step, 0, 0, one))
@@ -40,19 +45,19 @@ def test_sample_layout_depends_only_on_global_batch():
 def test_flops_and_mfu():
     # DeepSeek 7B at 4096 tokens: 6 N + 12 L H T per token
     n = 6.9e9 - 102400 * 4096
-    assert train.flops_per_token(n, 30, 4096, 4096) == pytest.approx(6 * n + 12 * 30 * 4096 * 4096)
-    assert train.mfu(1000.0, 1e9, 4e12) == pytest.approx(0.25)
+    assert plan.flops_per_token(n, 30, 4096, 4096) == pytest.approx(6 * n + 12 * 30 * 4096 * 4096)
+    assert plan.mfu(1000.0, 1e9, 4e12) == pytest.approx(0.25)
 
 
 def test_round_up_vocab():
-    assert train.round_up(8192, 64) == 8192 and train.round_up(50257, 64) == 50304
+    assert plan.round_up(8192, 64) == 8192 and plan.round_up(50257, 64) == 50304
 
 
 def _config(name):
     import json
     from transformers import AutoConfig
 
-    d = json.loads((train.MODEL_CONFIG_DIR / f"{name}.json").read_text())
+    d = json.loads((plan.MODEL_CONFIG_DIR / f"{name}.json").read_text())
     return AutoConfig.for_model(d.pop("model_type"), **d)
 
 
@@ -61,24 +66,28 @@ def test_param_count_matches_the_real_model():
 
     c = _config("mini")
     model = AutoModelForCausalLM.from_config(c)
-    counts = train.llama_param_counts(c)
+    counts = plan.llama_param_counts(c)
     assert counts["total"] == sum(p.numel() for p in model.parameters())
     assert counts["total"] - counts["non_embedding"] == model.get_input_embeddings().weight.numel()
-    assert _config("deepseek-7b") and train.llama_param_counts(_config("deepseek-7b"))["total"] == pytest.approx(6.91e9, rel=0.01)
+    assert _config("deepseek-7b") and plan.llama_param_counts(_config("deepseek-7b"))["total"] == pytest.approx(
+        6.91e9, rel=0.01
+    )
 
 
 def test_memory_plan_agrees_with_deepspeed_estimator():
     c = _config("deepseek-7b")
-    counts = train.llama_param_counts(c)
+    counts = plan.llama_param_counts(c)
     # No offload: ours (16 B/param + the gathered largest tensor) vs DeepSpeed's (18 B/param + 4 B x largest).
-    ours = train.memory_plan(c, 3, 1, 2048, "fp16", False, False, True, "sdpa")
-    model_states = sum(ours["gpu"][k] for k in ("parameters", "gradients", "optimizer_states", "gathered_largest_tensor"))
-    _, ds_gpu = train.deepspeed_estimate(counts["total"], counts["largest_tensor"], 3, 1, False, False)
+    ours = plan.memory_plan(c, 3, 1, 2048, "fp16", False, False, True, "sdpa")
+    model_states = sum(
+        ours["gpu"][k] for k in ("parameters", "gradients", "optimizer_states", "gathered_largest_tensor")
+    )
+    _, ds_gpu = plan.deepspeed_estimate(counts["total"], counts["largest_tensor"], 3, 1, False, False)
     assert 0.85 < model_states / ds_gpu < 1.0
     assert model_states / 2**30 > 24  # 7B does not fit 24 GB per GPU without offload, whatever the activations
     # Optimizer and parameters offloaded: host RAM is DeepSpeed's 18 B/param times its 1.5 buffer factor.
-    off = train.memory_plan(c, 3, 1, 2048, "fp16", True, True, True, "sdpa")
-    ds_host, _ = train.deepspeed_estimate(counts["total"], counts["largest_tensor"], 3, 1, True, True)
+    off = plan.memory_plan(c, 3, 1, 2048, "fp16", True, True, True, "sdpa")
+    ds_host, _ = plan.deepspeed_estimate(counts["total"], counts["largest_tensor"], 3, 1, True, True)
     assert off["host_per_process"] * 3 * 1.5 == pytest.approx(ds_host, rel=1e-6)
     assert off["gpu"]["parameters"] == 0 and off["gpu"]["optimizer_states"] == 0
 
@@ -87,21 +96,41 @@ def test_plan_command_names_the_offload_config():
     import subprocess
     import sys
 
-    cmd = [sys.executable, "train.py", "--plan", "--data_dir", "no-such-dir", "--model_config", "deepseek-7b",
-           "--seq_len", "2048", "--micro_batch_size", "1", "--accelerate_config"]
-    no = subprocess.run(cmd + ["accelerate_configs/zero3_3gpu.yaml"], cwd=train.MODEL_CONFIG_DIR.parent, capture_output=True, text=True)
-    assert no.returncode == 0 and "does NOT fit" in no.stdout and "zero3_offload_3gpu.yaml" in no.stdout, no.stdout + no.stderr
-    yes = subprocess.run(cmd + ["accelerate_configs/zero3_offload_3gpu.yaml", "--gradient_checkpointing"],
-                         cwd=train.MODEL_CONFIG_DIR.parent, capture_output=True, text=True)
+    cmd = [
+        sys.executable,
+        "train.py",
+        "--plan",
+        "--data_dir",
+        "no-such-dir",
+        "--model_config",
+        "deepseek-7b",
+        "--seq_len",
+        "2048",
+        "--micro_batch_size",
+        "1",
+        "--accelerate_config",
+    ]
+    no = subprocess.run(
+        cmd + ["accelerate_configs/zero3_3gpu.yaml"], cwd=plan.MODEL_CONFIG_DIR.parent, capture_output=True, text=True
+    )
+    assert no.returncode == 0 and "does NOT fit" in no.stdout and "zero3_offload_3gpu.yaml" in no.stdout, (
+        no.stdout + no.stderr
+    )
+    yes = subprocess.run(
+        cmd + ["accelerate_configs/zero3_offload_3gpu.yaml", "--gradient_checkpointing"],
+        cwd=plan.MODEL_CONFIG_DIR.parent,
+        capture_output=True,
+        text=True,
+    )
     assert "fits:" in yes.stdout and "host RAM" in yes.stdout, yes.stdout + yes.stderr
 
 
 def test_gpu_peak_by_name_and_precision():
-    assert train.gpu_peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989e12
-    assert train.gpu_peak_flops("NVIDIA H100 PCIe", "fp16") == 756e12  # not the SXM figure
-    assert train.gpu_peak_flops("NVIDIA GeForce RTX 4090", "fp16") == pytest.approx(165.2e12)
-    assert train.gpu_peak_flops("NVIDIA GeForce RTX 4090", "fp32") is None  # fp32 is timed, not the 16-bit datasheet
-    assert train.gpu_peak_flops("Some Future GPU", "bf16") is None
+    assert plan.gpu_peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989e12
+    assert plan.gpu_peak_flops("NVIDIA H100 PCIe", "fp16") == 756e12  # not the SXM figure
+    assert plan.gpu_peak_flops("NVIDIA GeForce RTX 4090", "fp16") == pytest.approx(165.2e12)
+    assert plan.gpu_peak_flops("NVIDIA GeForce RTX 4090", "fp32") is None  # fp32 is timed, not the 16-bit datasheet
+    assert plan.gpu_peak_flops("Some Future GPU", "bf16") is None
 
 
 def test_fp16_loss_scale_with_and_without_a_scaler():
@@ -111,39 +140,67 @@ def test_fp16_loss_scale_with_and_without_a_scaler():
     assert train.fp16_loss_scale(None, torch.amp.GradScaler("cpu", init_scale=1024.0)) == 1024.0  # Accelerate's scaler
 
 
-SAVED = {**{f.name: f.default for f in __import__("dataclasses").fields(train.Config)},
-         "data_dir": "/data/docs", "model_config": "mini", "seq_len": 128, "lr": 2e-3, "max_steps": 300}
+SAVED = {
+    **{f.name: f.default for f in __import__("dataclasses").fields(train.Config)},
+    "data_dir": "/data/docs",
+    "model_config": "mini",
+    "seq_len": 128,
+    "lr": 2e-3,
+    "max_steps": 300,
+}
 
 
 def test_resume_takes_what_the_command_does_not_give():
     cfg = train.Config(output_dir="runs/q", max_steps=600, lr_decay_steps=600, resume="auto")
-    merged, taken = train.config_for_resume(cfg, {"output_dir", "max_steps", "lr_decay_steps", "resume"}, SAVED)
+    merged, taken = checkpoint.config_for_resume(cfg, {"output_dir", "max_steps", "lr_decay_steps", "resume"}, SAVED)
     assert (merged.seq_len, merged.lr, merged.model_config, merged.data_dir) == (128, 2e-3, "mini", "/data/docs")
     assert (merged.max_steps, merged.lr_decay_steps, merged.output_dir) == (600, 600, "runs/q")
     assert taken == {"data_dir": "/data/docs", "model_config": "mini", "seq_len": 128, "lr": 2e-3}
 
 
-@pytest.mark.parametrize("flag,value", [("lr", 1e-3), ("seq_len", 256), ("warmup_steps", 5), ("weight_decay", 0.0),
-                                        ("max_grad_norm", 0.5), ("min_lr_ratio", 0.0), ("seed", 1)])
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("lr", 1e-3),
+        ("seq_len", 256),
+        ("warmup_steps", 5),
+        ("weight_decay", 0.0),
+        ("max_grad_norm", 0.5),
+        ("min_lr_ratio", 0.0),
+        ("seed", 1),
+    ],
+)
 def test_resume_refuses_a_changed_training_setting(flag, value):
     cfg = train.Config(**{flag: value})
-    with pytest.raises(train.StartupError, match=f"--{flag}"):
-        train.config_for_resume(cfg, {flag}, SAVED)
-    train.config_for_resume(train.Config(eval_every=7, log_every=3), {"eval_every", "log_every"}, SAVED)  # runtime: allowed
+    with pytest.raises(UserError, match=f"--{flag}"):
+        checkpoint.config_for_resume(cfg, {flag}, SAVED)
+    checkpoint.config_for_resume(
+        train.Config(eval_every=7, log_every=3), {"eval_every", "log_every"}, SAVED
+    )  # runtime: allowed
 
 
 def test_resume_keeps_the_schedule_unless_replanned():
     state = {"step": 300, "total_steps": 300, "config": SAVED}
     cfg = train.Config(**{**SAVED, "max_steps": 600})
-    with pytest.raises(train.StartupError, match="--lr_decay_steps 600"):
-        train.schedule_on_resume(cfg, {"max_steps"}, 600, state)  # --max_steps alone would re-stretch the cosine
-    line = train.schedule_on_resume(train.Config(**{**SAVED, "max_steps": 600, "lr_decay_steps": 600}),
-                                    {"max_steps", "lr_decay_steps"}, 600, state)
-    assert "300 -> 600 steps" in line and f"{train.lr_at(300, 2e-3, 30, 600, 0.1):.3g}" in line
+    with pytest.raises(UserError, match="--lr_decay_steps 600"):
+        checkpoint.schedule_on_resume(cfg, {"max_steps"}, 600, state)  # --max_steps alone would re-stretch the cosine
+    line = checkpoint.schedule_on_resume(
+        train.Config(**{**SAVED, "max_steps": 600, "lr_decay_steps": 600}), {"max_steps", "lr_decay_steps"}, 600, state
+    )
+    assert "300 -> 600 steps" in line and f"{plan.lr_at(300, 2e-3, 30, 600, 0.1):.3g}" in line
     long = {"step": 50, "total_steps": 100, "config": {**SAVED, "lr_decay_steps": 1000}}
-    assert train.schedule_on_resume(train.Config(**{**SAVED, "lr_decay_steps": 1000, "max_steps": 200}), {"max_steps"}, 200, long) is None
+    assert (
+        checkpoint.schedule_on_resume(
+            train.Config(**{**SAVED, "lr_decay_steps": 1000, "max_steps": 200}), {"max_steps"}, 200, long
+        )
+        is None
+    )
 
 
 def test_given_fields_sees_abbreviations_and_bools():
-    assert train.given_fields(["--max_steps", "5", "--gradient_checkpointing", "--lr=1e-3"]) == {"max_steps", "gradient_checkpointing", "lr"}
-    assert train.given_fields([]) == set()
+    assert cli.given_fields(train.Config, ["--max_steps", "5", "--gradient_checkpointing", "--lr=1e-3"]) == {
+        "max_steps",
+        "gradient_checkpointing",
+        "lr",
+    }
+    assert cli.given_fields(train.Config, []) == set()

@@ -1,0 +1,158 @@
+"""What every script does at its edges: refuse bad input, write files whole, keep the console readable, and leave.
+
+- field / given_fields: a Config dataclass's fields, and which of them a command line sets.
+- UserError: a mistake of the user's (a flag, a file, a directory). The message is one line that names the value,
+  the constraint and the fix; main() prints it as `error: ...` and exits 2, before anything is half-written.
+- write_atomic / write_json_atomic / replace_dir: a reader, or a crash, sees the old file or directory or the whole
+  new one, never a part.
+- quiet_console: third-party start-up lines that carry no information, once per process, are dropped.
+- exit_process: the end of a launched process (see its docstring for the crash it avoids).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+
+class UserError(Exception):
+    """A user mistake; the message is one line naming the value, the constraint and the fix."""
+
+
+def field(default, doc: str):
+    """A Config field: its default and its --help text."""
+    return dataclasses.field(default=default, metadata={"help": doc})
+
+
+def given_fields(config_class, argv: list[str]) -> set[str]:
+    """The fields of a Config dataclass that the command line sets (argparse abbreviations included), as opposed to
+    those left at their default."""
+    import argparse
+
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(config_class)
+    for action in parser._actions:  # set_defaults would not do: argparse type-converts string defaults
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_known_args(argv)[0]))
+
+
+def injected_fault(kind: str, rank: int, step: int) -> bool:
+    """Fault injection for the crash tests, set with TRAIN_TEST_FAULT=kind:rank:step (sigterm_launcher, nan_loss,
+    sigkill_in_save). Real signals and real NaNs; nothing happens unless the variable names this exact point."""
+    return os.environ.get("TRAIN_TEST_FAULT", "") == f"{kind}:{rank}:{step}"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write text so that a reader, or a crash, sees the old file or the whole new one. The temporary name is fixed,
+    so what a killed writer left is overwritten by the next one, not left beside it."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    write_atomic(path, json.dumps(data, indent=2) + "\n")
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Move the finished directory tmp to final. An existing final is renamed aside first and deleted last, so a
+    crash at any point leaves the old directory or the new one under a name a rerun recognises."""
+    stale = final.with_name(f".{final.name}.stale")
+    shutil.rmtree(stale, ignore_errors=True)
+    if final.exists():
+        os.replace(final, stale)
+    os.replace(tmp, final)
+    shutil.rmtree(stale, ignore_errors=True)
+
+
+# Third-party lines that say nothing a user can act on. Matched on the message; everything else passes.
+NOISE = (
+    "Setting accelerator to CPU",  # DeepSpeed on a machine without a GPU: the batch plan line says "cpu" already
+    "deepspeed_shm_comm_op built successfully",  # DeepSpeed's CPU shared-memory collectives, once per rank
+)
+
+
+def _is_noise(message: str) -> bool:
+    return any(noise in message for noise in NOISE)
+
+
+class _DropNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _is_noise(record.getMessage())
+
+
+class _NoiseFreeStream:
+    """A stream without NOISE lines. print() writes a line and its newline separately: a dropped line drops both."""
+
+    def __init__(self, stream):
+        self.stream, self.dropped = stream, False
+
+    def write(self, text: str) -> int:
+        if text == "\n" and self.dropped:
+            self.dropped = False
+            return 1
+        kept = "".join(line for line in text.splitlines(keepends=True) if not _is_noise(line))
+        self.dropped = kept != text
+        self.stream.write(kept)
+        return len(text)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def without_noise():
+    """Run a block (e.g. DeepSpeed's start-up, which print()s NOISE on every rank) with NOISE kept off stdout."""
+    with contextlib.redirect_stdout(_NoiseFreeStream(sys.stdout)):
+        yield
+
+
+def quiet_console() -> None:
+    """Drop NOISE from DeepSpeed's logger, and, when stderr is not a terminal, transformers' progress bars (one line
+    per redraw in a log file). Called before DeepSpeed is imported, which is when it logs the first."""
+    for name in ("DeepSpeed", "deepspeed"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropNoise) for f in logger.filters):
+            logger.addFilter(_DropNoise())
+    if not sys.stderr.isatty():
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
+def progress_bar(**kwargs):
+    """tqdm when stderr is a terminal; otherwise disabled, since a redrawn bar in a log file is one line per redraw.
+    The scripts print their own log lines either way."""
+    from tqdm.auto import tqdm
+
+    disable = kwargs.pop("disable", False) or not sys.stderr.isatty()
+    return tqdm(**kwargs, disable=disable)
+
+
+def exit_process(code: int) -> None:
+    """sys.exit(code), except in a process started by a distributed launcher (torchrun, accelerate launch): there,
+    flush and leave at once with os._exit, skipping the interpreter teardown.
+
+    Why: with the gloo backend a worker thread of a process group can still be releasing the tensors of a finished
+    collective while Python finalizes; that thread then needs the GIL, finds the interpreter gone and aborts the
+    process ("terminate called without an active exception", SIGABRT, exit code -6) after all the work was done and
+    saved. It happened in about 1 of 40 two-process runs on the CPU; a core dump showed ProcessGroupGloo worker
+    threads alive in Py_FinalizeEx, one of them in THPVariable_dealloc -> take_gil -> pthread_exit ->
+    std::terminate. DeepSpeed keeps references to its process groups, so destroy_process_group() does not stop them.
+    """
+    if "LOCAL_RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+        sys.exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

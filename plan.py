@@ -1,0 +1,446 @@
+"""The planner: what a run is (the launch record, the batch plan, the model config) and what it costs (parameters,
+FLOPs, memory, step time), on paper for `train.py --plan` and for real at the start of every run.
+
+One record describes a launch: `launch_record` builds it from an accelerate config's settings, whether they come
+from the YAML (`read_launch`, for --plan) or from the live Accelerator (`live_launch`), so both see the same values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from cli import UserError
+
+MODEL_CONFIG_DIR = Path(__file__).resolve().parent / "model_configs"
+# Dense fp16/bf16 tensor-core peak with fp32 accumulate, FLOP/s, by substring of the CUDA device name; the longest
+# matching name wins, so "H100 PCIe" is not read as the SXM card. fp32 runs are measured against a timed matmul.
+GPU_PEAK_FLOPS = {
+    "RTX 4090": 165.2e12,
+    "H100": 989e12,
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H200": 989e12,
+    "A100": 312e12,
+    "RTX 3090": 71e12,
+    "L40S": 362e12,
+}
+GIB = 2**30
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The launch, the batch and the schedule
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """How a run is launched, as its accelerate config says."""
+
+    world_size: int
+    nodes: int
+    precision: str  # fp32 | fp16 | bf16
+    grad_accum_steps: int
+    offload_optimizer: bool
+    offload_params: bool
+    gpu: bool
+
+
+def launch_record(
+    mixed_precision: str,
+    ds_config: dict,
+    yaml_deepspeed: dict,
+    world_size: int,
+    nodes: int,
+    gpu: bool,
+    default_accum: int = 1,
+) -> Launch:
+    """The one place a launch is read. ds_config: the DeepSpeed JSON (the live plugin's resolved config, or the file
+    a YAML names); yaml_deepspeed: the YAML's deepspeed_config keys, which count where the JSON is silent."""
+    zero = ds_config.get("zero_optimization", {})
+    precision = mixed_precision
+    if ds_config.get("fp16", {}).get("enabled") is True:
+        precision = "fp16"
+    elif ds_config.get("bf16", {}).get("enabled") is True:
+        precision = "bf16"
+    accum = ds_config.get("gradient_accumulation_steps", yaml_deepspeed.get("gradient_accumulation_steps", "auto"))
+
+    def offloaded(key: str, yaml_key: str) -> bool:
+        return (zero.get(key, {}).get("device") or yaml_deepspeed.get(yaml_key, "none")) not in ("none", None)
+
+    return Launch(
+        world_size=world_size,
+        nodes=nodes,
+        precision={"no": "fp32"}.get(precision, precision),
+        grad_accum_steps=default_accum if accum == "auto" else int(accum),
+        offload_optimizer=offloaded("offload_optimizer", "offload_optimizer_device"),
+        offload_params=offloaded("offload_param", "offload_param_device"),
+        gpu=gpu,
+    )
+
+
+def read_launch(path: str) -> Launch:
+    """The launch an accelerate YAML (and the DeepSpeed JSON it may name) describes, without launching."""
+    import yaml
+
+    y = yaml.safe_load(Path(path).read_text())
+    ds = y.get("deepspeed_config") or {}
+    js = json.loads(Path(ds["deepspeed_config_file"]).read_text()) if ds.get("deepspeed_config_file") else {}
+    return launch_record(
+        y.get("mixed_precision", "no"),
+        js,
+        ds,
+        int(y.get("num_processes", 1)),
+        int(y.get("num_machines", 1)),
+        not y.get("use_cpu", False),
+    )
+
+
+def live_launch(accelerator) -> Launch:
+    """The launch this process is part of."""
+    plugin = accelerator.state.deepspeed_plugin
+    gpu = torch.cuda.is_available()
+    world = accelerator.num_processes
+    return launch_record(
+        accelerator.mixed_precision,
+        plugin.deepspeed_config if plugin else {},
+        {},
+        world,
+        max(1, world // max(1, torch.cuda.device_count())) if gpu else 1,
+        gpu,
+        default_accum=accelerator.gradient_accumulation_steps,
+    )
+
+
+def lr_at(step: int, peak_lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """Learning rate for optimizer step `step` (0-based) of a `total_steps` schedule: linear warmup that reaches the
+    peak on step warmup_steps - 1, then a cosine that reaches the floor on the last step, total_steps - 1."""
+    if step < warmup_steps:
+        return peak_lr * (step + 1) / warmup_steps
+    min_lr = peak_lr * min_lr_ratio
+    top = max(warmup_steps - 1, 0)  # the step that holds the peak
+    progress = min(1.0, (step - top) / max(1, total_steps - 1 - top))
+    return min_lr + 0.5 * (peak_lr - min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def batch_plan(micro_batch_size: int, grad_accum_steps: int, world_size: int, seq_len: int) -> dict:
+    sequences = micro_batch_size * grad_accum_steps * world_size
+    return {
+        "micro_batch_size": micro_batch_size,
+        "grad_accum_steps": grad_accum_steps,
+        "world_size": world_size,
+        "sequences_per_step": sequences,
+        "tokens_per_step": sequences * seq_len,
+    }
+
+
+def total_steps_for(max_steps: int, num_epochs: float, n_windows: int, sequences_per_step: int) -> int:
+    if max_steps > 0:
+        return max_steps
+    return max(1, math.ceil(num_epochs * n_windows / sequences_per_step))
+
+
+def round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The model config
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def resolve_model_config(name_or_path: str) -> Path:
+    preset = MODEL_CONFIG_DIR / f"{name_or_path}.json"
+    path = Path(name_or_path).expanduser()
+    for candidate in (preset, path, path / "config.json"):
+        if candidate.is_file():
+            return candidate
+    presets = sorted(p.stem for p in MODEL_CONFIG_DIR.glob("*.json"))
+    raise UserError(
+        f"--model_config {name_or_path!r} is not a preset ({', '.join(presets)}), a config.json or a model directory"
+    )
+
+
+def load_model_config(model_config: str, init_from: str, seq_len: int, meta: dict | None):
+    """The model's transformers config, with the vocabulary taken from the data's tokenizer (padded to 64)."""
+    from transformers import AutoConfig
+
+    d = json.loads(resolve_model_config(init_from or model_config).read_text())
+    config = AutoConfig.for_model(d.pop("model_type", "llama"), **d)
+    if init_from:
+        if meta is not None and config.vocab_size < meta["vocab_size"]:
+            raise UserError(
+                f"--init_from {init_from} has vocab_size {config.vocab_size} < the data's "
+                f"{meta['vocab_size']}; prepare the data with that model's tokenizer"
+            )
+    elif meta is not None:  # without data (planning) the preset keeps its own vocabulary
+        config.vocab_size = round_up(meta["vocab_size"], 64)
+        config.bos_token_id = config.eos_token_id = meta["eos_id"]
+        config.pad_token_id = None
+    if seq_len > config.max_position_embeddings:
+        raise UserError(
+            f"--seq_len {seq_len} exceeds the model's context max_position_embeddings="
+            f"{config.max_position_embeddings}; lower --seq_len or use a config with a longer context"
+        )
+    return config
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Parameters, FLOPs and MFU
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def llama_param_counts(c) -> dict:
+    """Parameter counts of a Llama/DeepSeek config without building it: total, non-embedding, largest tensor."""
+    h, v, f, n_layers = c.hidden_size, c.vocab_size, c.intermediate_size, c.num_hidden_layers
+    kv = c.num_key_value_heads * (h // c.num_attention_heads)
+    layer = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
+    embed = v * h
+    head = 0 if c.tie_word_embeddings else v * h
+    total = embed + head + n_layers * layer + h
+    return {"total": total, "non_embedding": total - embed, "largest_tensor": max(embed, h * f), "per_layer": layer}
+
+
+def flops_per_token(n_params_non_embedding: int, n_layers: int, hidden_size: int, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward): 6 N + 12 L H T (PaLM appendix B; nanoGPT)."""
+    return 6 * n_params_non_embedding + 12 * n_layers * hidden_size * seq_len
+
+
+def model_flops_per_token(c, seq_len: int) -> float:
+    return flops_per_token(llama_param_counts(c)["non_embedding"], c.num_hidden_layers, c.hidden_size, seq_len)
+
+
+def mfu(tokens_per_s: float, flops_per_tok: float, peak_flops: float) -> float:
+    return tokens_per_s * flops_per_tok / peak_flops
+
+
+def gpu_peak_flops(device_name: str, precision: str) -> float | None:
+    """Datasheet 16-bit peak of a known GPU for fp16/bf16 runs; None (time a matmul instead) for fp32 or unknown."""
+    if precision not in ("fp16", "bf16"):
+        return None
+    matches = [key for key in GPU_PEAK_FLOPS if key in device_name]
+    return GPU_PEAK_FLOPS[max(matches, key=len)] if matches else None
+
+
+def measure_peak_flops(accelerator, precision: str) -> tuple[float, str]:
+    """Peak FLOP/s the MFU is measured against: the datasheet for known GPUs, else a large matmul timed now on every
+    process at once (on a CPU the processes share cores, so the sum is what the machine gives them together)."""
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        flops = gpu_peak_flops(name, precision)
+        if flops is not None:
+            return flops * accelerator.num_processes, f"{name} datasheet, {precision}"
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision, torch.float32)
+    n = 1024 if accelerator.device.type == "cpu" else 8192
+    a = torch.randn(n, n, device=accelerator.device, dtype=dtype)
+    b = torch.randn(n, n, device=accelerator.device, dtype=dtype)
+    a @ b
+    accelerator.wait_for_everyone()
+    reps = 5
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    if accelerator.device.type == "cuda":
+        torch.cuda.synchronize()
+    local = torch.tensor([2 * n**3 * reps / (time.perf_counter() - t0)], device=accelerator.device)
+    source = f"{n}x{n} {str(dtype).replace('torch.', '')} matmul timed on all processes"
+    return float(accelerator.reduce(local, "sum")), source
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / GIB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Memory and time
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def memory_plan(
+    c,
+    world_size: int,
+    micro_batch_size: int,
+    seq_len: int,
+    precision: str,
+    offload_optimizer: bool,
+    offload_params: bool,
+    gradient_checkpointing: bool,
+    attn: str,
+) -> dict:
+    """Bytes per GPU (and host) for one training process, by component.
+
+    Model states (ZeRO-3, Adam, mixed precision): 16-bit parameters 2 B, 16-bit gradients 2 B, fp32 master weights
+    + Adam m and v 12 B per parameter, each sharded over the world; in fp32 training parameters and gradients take
+    4 B each and there is no separate master copy. The largest tensor is gathered whole in 16-bit for its forward,
+    and the optimizer step needs one fp32 temporary the size of its shard (Adam's denominator).
+    Activations saved for backward, per token and layer of a Llama block (the count of Korthikanti et al. 2022
+    redone for RMSNorm, RoPE and SwiGLU, no dropout): two norm inputs (2h), attention input, q, k, v, rotated q
+    and k, attention output (4h + 3 kv), MLP input, gate, up, SiLU and product (h + 4 ffn), plus 2 a s for eager
+    attention's score matrices. Checkpointing keeps each layer's input and recomputes one layer at a time. The
+    loss keeps the logits, an fp32 copy and its gradient.
+    """
+    counts = llama_param_counts(c)
+    p, n = counts["total"], world_size
+    half = precision in ("fp16", "bf16")
+    param_b, grad_b, optim_b = (2, 2, 12) if half else (4, 4, 8)
+    act_b = 2 if half else 4
+    s, b, h, a, L, v = (
+        seq_len,
+        micro_batch_size,
+        c.hidden_size,
+        c.num_attention_heads,
+        c.num_hidden_layers,
+        c.vocab_size,
+    )
+    kv = c.num_key_value_heads * (h // a)
+    per_token = 7 * h + 3 * kv + 4 * c.intermediate_size + (2 * a * s if attn == "eager" else 0)
+    per_layer = s * b * per_token * act_b
+    acts_full = L * per_layer
+    acts_ckpt = L * s * b * h * act_b + per_layer
+    logits = s * b * v * (act_b + 4 + 4)
+    gpu = {
+        "parameters": 0 if offload_params else param_b * p / n,
+        "gradients": grad_b * p / n,
+        "optimizer_states": 0 if offload_optimizer else optim_b * p / n,
+        "gathered_largest_tensor": param_b * counts["largest_tensor"],
+        "optimizer_step_temporaries": 0 if offload_optimizer else 4 * p / n,
+        "activations": (acts_ckpt if gradient_checkpointing else acts_full) + logits,
+    }
+    # Offloaded optimizer: fp32 master weights, Adam states and fp32 gradients live in host RAM.
+    host = ((optim_b + 4) * p / n if offload_optimizer else 0) + (param_b * p / n if offload_params else 0)
+    return {
+        "gpu": gpu,
+        "gpu_total": sum(gpu.values()),
+        "host_per_process": host,
+        "activations_without_checkpointing": acts_full + logits,
+        "activations_with_checkpointing": acts_ckpt + logits,
+        "params": counts,
+    }
+
+
+def deepspeed_estimate(
+    total_params: int,
+    largest_tensor: int,
+    gpus_per_node: int,
+    nodes: int,
+    offload_optimizer: bool,
+    offload_params: bool,
+) -> tuple[int, int]:
+    """DeepSpeed's own ZeRO-3 model-state estimate: (host bytes per node, GPU bytes per GPU), zero.Init on."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+    cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+        total_params,
+        largest_tensor,
+        gpus_per_node,
+        nodes,
+        cpu_offload=offload_optimizer,
+        cpu_offload_params=offload_params,
+        zero_init=True,
+    )
+    return cpu, gpu
+
+
+def step_time_plan(
+    flops_tok: float,
+    tokens_per_step: int,
+    world_size: int,
+    peak_flops_per_device: float,
+    mfu_assumed: float,
+    total_params: int,
+    grad_accum: int,
+    param_bytes: int,
+    bandwidth_b_s: float,
+) -> dict:
+    """Seconds per optimizer step: compute at the assumed MFU, plus ZeRO-3 traffic, which per micro-step is about 1.5x
+    plain data parallel's all-reduce (parameters all-gathered for forward and backward, gradients reduce-scattered:
+    3 x the 16-bit model over (n-1)/n of the ring), assumed not overlapped with compute (an upper bound)."""
+    compute_s = flops_tok * tokens_per_step / (world_size * peak_flops_per_device * mfu_assumed)
+    traffic_bytes = grad_accum * 3 * param_bytes * total_params * (world_size - 1) / world_size
+    comm_s = 0.0 if world_size == 1 else traffic_bytes / bandwidth_b_s
+    step_s = compute_s + comm_s
+    return {"compute_s": compute_s, "comm_s": comm_s, "step_s": step_s, "tokens_per_s": tokens_per_step / step_s}
+
+
+def plan_report(
+    cfg, model_config, launch: Launch, batch: dict, gpu_memory_gib: float, peak_flops_per_device: float, steps: int
+) -> tuple[list[str], bool]:
+    """The memory and time plan as printable lines, and whether the model states + activations fit the devices.
+    cfg is train.py's Config (micro batch, sequence length, checkpointing, attention, assumed MFU and bandwidth)."""
+    world, nodes = launch.world_size, launch.nodes
+    mem = memory_plan(
+        model_config,
+        world,
+        cfg.micro_batch_size,
+        cfg.seq_len,
+        launch.precision,
+        launch.offload_optimizer,
+        launch.offload_params,
+        cfg.gradient_checkpointing,
+        cfg.attn_implementation,
+    )
+    counts, gpu = mem["params"], mem["gpu"]
+    ds_host, ds_gpu = deepspeed_estimate(
+        counts["total"],
+        counts["largest_tensor"],
+        world // nodes,
+        nodes,
+        launch.offload_optimizer,
+        launch.offload_params,
+    )
+    need = max(mem["gpu_total"], ds_gpu + gpu["activations"])
+    fits = need <= gpu_memory_gib * GIB * 0.95  # the CUDA context, allocator fragmentation and buffers take the rest
+    flops_tok = model_flops_per_token(model_config, cfg.seq_len)
+    t = step_time_plan(
+        flops_tok,
+        batch["tokens_per_step"],
+        world,
+        peak_flops_per_device,
+        cfg.assumed_mfu,
+        counts["total"],
+        launch.grad_accum_steps,
+        2 if launch.precision != "fp32" else 4,
+        cfg.interconnect_gb_s * 1e9,
+    )
+    where = "device" if launch.gpu else "process"
+    checkpointing = "on" if cfg.gradient_checkpointing else "off"
+    lines = [
+        f"plan: {counts['total'] / 1e6:,.1f}M parameters ({counts['non_embedding'] / 1e6:,.1f}M non-embedding, "
+        f"largest tensor {counts['largest_tensor'] / 1e6:.1f}M), {flops_tok / 1e9:.2f} GFLOP/token, "
+        f"vocab {model_config.vocab_size}; {world} processes on {nodes} machine(s), {launch.precision}, "
+        f"offload optimizer={launch.offload_optimizer} parameters={launch.offload_params}",
+        f"  per {where}: parameters {gpu['parameters'] / GIB:.2f} GiB + gradients {gpu['gradients'] / GIB:.2f} "
+        f"+ optimizer states {gpu['optimizer_states'] / GIB:.2f} + step temporaries "
+        f"{gpu['optimizer_step_temporaries'] / GIB:.2f} + gathered largest tensor "
+        f"{gpu['gathered_largest_tensor'] / GIB:.2f} + activations {gpu['activations'] / GIB:.2f} "
+        f"(checkpointing {checkpointing}; on: {mem['activations_with_checkpointing'] / GIB:.2f}, "
+        f"off: {mem['activations_without_checkpointing'] / GIB:.2f}) = {mem['gpu_total'] / GIB:.2f} GiB",
+        f"  DeepSpeed's ZeRO-3 estimator: {ds_gpu / GIB:.2f} GiB model states per {where}, {ds_host / GIB:.1f} GiB "
+        f"host RAM per machine (ours: {mem['host_per_process'] * world / nodes / GIB:.1f} GiB offloaded per machine)",
+        f"  step: {batch['tokens_per_step']:,} tokens, {t['step_s']:.2f} s ({t['compute_s']:.2f} s compute at "
+        f"{cfg.assumed_mfu:.0%} MFU of {peak_flops_per_device / 1e12:.3g} TFLOP/s + {t['comm_s']:.2f} s ZeRO-3 traffic "
+        f"at {cfg.interconnect_gb_s:g} GB/s) = {t['tokens_per_s']:,.0f} tokens/s"
+        + (f"; {steps} steps = {steps * t['step_s'] / 3600:.1f} h" if steps else ""),
+    ]
+    if launch.gpu:
+        lines.append(
+            f"  {'fits' if fits else 'does NOT fit'}: needs {need / GIB:.1f} GiB of {gpu_memory_gib:g} GiB per GPU"
+        )
+        if not fits:
+            advice = (
+                "use accelerate_configs/zero3_offload_3gpu.yaml (optimizer and parameters in CPU RAM)"
+                if not launch.offload_optimizer
+                else "lower --micro_batch_size or --seq_len"
+            )
+            lines.append(
+                f"  advice: {advice}" + ("; add --gradient_checkpointing" if not cfg.gradient_checkpointing else "")
+            )
+    return lines, fits or not launch.gpu
