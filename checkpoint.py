@@ -128,8 +128,10 @@ def schedule_on_resume(cfg, given: set[str], total_steps: int, state: dict) -> s
             f"--lr_decay_steps {new_len} to re-plan the schedule, or --lr_decay_steps {old_len} to keep it "
             f"and train on at its floor"
         )
-    return (f"re-planned LR schedule: {old_len} -> {new_len} steps; the LR at step {step} goes from {old_lr:.3g} "
-            f"to {new_lr:.3g}")
+    return (
+        f"re-planned LR schedule: {old_len} -> {new_len} steps; the LR at step {step} goes from {old_lr:.3g} "
+        f"to {new_lr:.3g}"
+    )
 
 
 def config_hash(model_config) -> str:
