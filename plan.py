@@ -212,8 +212,82 @@ def flops_per_token(n_params_non_embedding: int, n_layers: int, hidden_size: int
     return 6 * n_params_non_embedding + 12 * n_layers * hidden_size * seq_len
 
 
+def is_moe(c) -> bool:
+    return getattr(c, "model_type", "") == "deepseek_v3"
+
+
+def deepseek_v3_param_counts(c) -> dict:
+    """Parameter counts of a DeepSeek-V3 config (MLA attention, DeepSeekMoE) without building it: total, activated
+    per token (the top-k routed experts, the shared ones and the router of each MoE layer), non-embedding, largest
+    tensor (the fused routed experts' gate and up projections, which ZeRO-3 gathers whole)."""
+    h, v, n_layers, heads = c.hidden_size, c.vocab_size, c.num_hidden_layers, c.num_attention_heads
+    qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+    q = h * heads * qk if not c.q_lora_rank else h * c.q_lora_rank + c.q_lora_rank + c.q_lora_rank * heads * qk
+    kv = (
+        h * (c.kv_lora_rank + c.qk_rope_head_dim)
+        + c.kv_lora_rank
+        + c.kv_lora_rank * heads * (c.qk_nope_head_dim + c.v_head_dim)
+    )
+    attention = q + kv + heads * c.v_head_dim * h + 2 * h  # with the layer's two norms
+    expert = 3 * h * c.moe_intermediate_size
+    router = c.n_routed_experts * h
+    moe_total = c.n_routed_experts * expert + c.n_shared_experts * expert + router
+    moe_active = c.num_experts_per_tok * expert + c.n_shared_experts * expert + router
+    n_dense = min(c.first_k_dense_replace, n_layers)
+    dense = 3 * h * c.intermediate_size
+    embed, head = v * h, 0 if c.tie_word_embeddings else v * h
+    body = n_layers * attention + n_dense * dense + h
+    total = embed + head + body + (n_layers - n_dense) * moe_total
+    activated = embed + head + body + (n_layers - n_dense) * moe_active
+    largest = max(embed, h * c.intermediate_size, c.n_routed_experts * 2 * c.moe_intermediate_size * h)
+    return {
+        "total": total,
+        "non_embedding": total - embed,
+        "activated": activated,
+        "activated_non_embedding": activated - embed,
+        "largest_tensor": largest,
+    }
+
+
+def param_counts(c) -> dict:
+    """total, non_embedding, activated (per token), activated_non_embedding and largest_tensor of a model config."""
+    if is_moe(c):
+        return deepseek_v3_param_counts(c)
+    counts = llama_param_counts(c)
+    return {**counts, "activated": counts["total"], "activated_non_embedding": counts["non_embedding"]}
+
+
 def model_flops_per_token(c, seq_len: int) -> float:
-    return flops_per_token(llama_param_counts(c)["non_embedding"], c.num_hidden_layers, c.hidden_size, seq_len)
+    """Training FLOPs per token of a config: 6 x activated non-embedding parameters (a MoE layer counts only the
+    experts a token goes to) + 6 L T x the attention's query-key and value widths (12 L H T for Llama; MLA's
+    per-head query-key width is qk_nope + qk_rope, its value width v_head_dim)."""
+    counts = param_counts(c)
+    if is_moe(c):
+        widths = c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
+    else:
+        widths = 2 * c.hidden_size
+    return 6 * counts["activated_non_embedding"] + 6 * c.num_hidden_layers * seq_len * widths
+
+
+def activations_per_token(c, seq_len: int, attn: str) -> list[int]:
+    """Values saved for backward per token, layer by layer (see memory_plan). DeepSeek-V3 layers: the two norm
+    inputs, attention input, q and rotated q, the compressed kv, expanded k and v, attention output (MLA), then the
+    MLP input and gate, up, SiLU and product of every expert the token goes to, and the router's scores."""
+    h, a = c.hidden_size, c.num_attention_heads
+    eager = 2 * a * seq_len if attn == "eager" else 0
+    if not is_moe(c):
+        kv = c.num_key_value_heads * (h // a)
+        return [7 * h + 3 * kv + 4 * c.intermediate_size + eager] * c.num_hidden_layers
+    qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+    attention = 3 * h + 2 * a * qk + c.kv_lora_rank + c.qk_rope_head_dim + a * (qk + c.v_head_dim) + a * c.v_head_dim
+    moe_ffn = (c.num_experts_per_tok + c.n_shared_experts) * c.moe_intermediate_size
+    return [
+        attention
+        + eager
+        + h
+        + (4 * c.intermediate_size if i < c.first_k_dense_replace else 4 * moe_ffn + c.n_routed_experts)
+        for i in range(c.num_hidden_layers)
+    ]
 
 
 def mfu(tokens_per_s: float, flops_per_tok: float, peak_flops: float) -> float:
@@ -281,30 +355,21 @@ def memory_plan(
     + Adam m and v 12 B per parameter, each sharded over the world; in fp32 training parameters and gradients take
     4 B each and there is no separate master copy. The largest tensor is gathered whole in 16-bit for its forward,
     and the optimizer step needs one fp32 temporary the size of its shard (Adam's denominator).
-    Activations saved for backward, per token and layer of a Llama block (the count of Korthikanti et al. 2022
+    Activations saved for backward (activations_per_token), per token and layer of a Llama block (the count of Korthikanti et al. 2022
     redone for RMSNorm, RoPE and SwiGLU, no dropout): two norm inputs (2h), attention input, q, k, v, rotated q
     and k, attention output (4h + 3 kv), MLP input, gate, up, SiLU and product (h + 4 ffn), plus 2 a s for eager
     attention's score matrices. Checkpointing keeps each layer's input and recomputes one layer at a time. The
     loss keeps the logits, an fp32 copy and its gradient.
     """
-    counts = llama_param_counts(c)
+    counts = param_counts(c)
     p, n = counts["total"], world_size
     half = precision in ("fp16", "bf16")
     param_b, grad_b, optim_b = (2, 2, 12) if half else (4, 4, 8)
     act_b = 2 if half else 4
-    s, b, h, a, L, v = (
-        seq_len,
-        micro_batch_size,
-        c.hidden_size,
-        c.num_attention_heads,
-        c.num_hidden_layers,
-        c.vocab_size,
-    )
-    kv = c.num_key_value_heads * (h // a)
-    per_token = 7 * h + 3 * kv + 4 * c.intermediate_size + (2 * a * s if attn == "eager" else 0)
-    per_layer = s * b * per_token * act_b
-    acts_full = L * per_layer
-    acts_ckpt = L * s * b * h * act_b + per_layer
+    s, b, h, v = seq_len, micro_batch_size, c.hidden_size, c.vocab_size
+    per_layer = [s * b * values * act_b for values in activations_per_token(c, s, attn)]
+    acts_full = sum(per_layer)
+    acts_ckpt = len(per_layer) * s * b * h * act_b + max(per_layer)
     logits = s * b * v * (act_b + 4 + 4)
     gpu = {
         "parameters": 0 if offload_params else param_b * p / n,
@@ -414,7 +479,8 @@ def plan_report(
     checkpointing = "on" if cfg.gradient_checkpointing else "off"
     lines = [
         f"plan: {counts['total'] / 1e6:,.1f}M parameters ({counts['non_embedding'] / 1e6:,.1f}M non-embedding, "
-        f"largest tensor {counts['largest_tensor'] / 1e6:.1f}M), {flops_tok / 1e9:.2f} GFLOP/token, "
+        + (f"{counts['activated'] / 1e6:,.1f}M activated per token, " if is_moe(model_config) else "")
+        + f"largest tensor {counts['largest_tensor'] / 1e6:.1f}M), {flops_tok / 1e9:.2f} GFLOP/token, "
         f"vocab {model_config.vocab_size}; {world} processes on {nodes} machine(s), {launch.precision}, "
         f"offload optimizer={launch.offload_optimizer} parameters={launch.offload_params}",
         f"  per {where}: parameters {gpu['parameters'] / GIB:.2f} GiB + gradients {gpu['gradients'] / GIB:.2f} "

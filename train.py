@@ -18,6 +18,7 @@ Read top to bottom: Config, helpers (batch, loss, optimizer, logging), setup, th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 import checkpoint
 import cli
 import lmdata
+import moe
 import plan
 from cli import UserError, field
 from lmloss import validation_loss
@@ -88,6 +90,11 @@ class Config:
     log_with: str = field("", "extra tracker for accelerate, e.g. tensorboard")
     gradient_checkpointing: bool = field(False, "recompute activations in backward (less memory, ~30%% more compute)")
     attn_implementation: str = field("sdpa", "attention kernel: sdpa or eager")
+    moe_bias_update_speed: float = field(0.001, "MoE models (deepseek-v3-*): how far each router's per-expert bias "
+                                                "moves after every step toward balanced loads (DeepSeek-V3's gamma; "
+                                                "0: off)")
+    moe_aux_loss_alpha: float = field(0.0001, "MoE models: weight of the sequence-wise balance loss (DeepSeek-V3's "
+                                              "alpha; 0: off)")
 # fmt: on
 
 
@@ -144,6 +151,7 @@ def fp16_loss_scale(engine, scaler) -> float | None:
 
 
 def plot_losses(metrics_path: Path, png_path: Path) -> None:
+    """The loss curve; for a MoE model, a second panel with the expert-load imbalance (MaxVio) and the balance loss."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -152,14 +160,29 @@ def plot_losses(metrics_path: Path, png_path: Path) -> None:
     records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    balance = [r for r in records if "moe_maxvio_max" in r]
+    fig, axes = plt.subplots(2 if balance else 1, 1, figsize=(7, 7 if balance else 4.2), sharex=True, squeeze=False)
+    ax = axes[0, 0]
     if train:
         ax.plot(*zip(*train), label="train loss", lw=1)
     if val:
         ax.plot(*zip(*val), "o-", label="validation loss", ms=4)
-    ax.set(xlabel="optimizer step", ylabel="cross-entropy (nats/token)", title=metrics_path.parent.name)
-    ax.grid(alpha=0.3)
-    ax.legend()
+    ax.set(ylabel="cross-entropy (nats/token)", title=metrics_path.parent.name)
+    if balance:
+        steps = [r["step"] for r in balance]
+        bottom = axes[1, 0]
+        bottom.plot(steps, [r["moe_maxvio_max"] for r in balance], label="MaxVio, worst layer", lw=1)
+        bottom.plot(steps, [r["moe_maxvio_mean"] for r in balance], label="MaxVio, mean of layers", lw=1)
+        bottom.set(ylabel="max load / mean load - 1")
+        if any("moe_aux_loss" in r for r in balance):
+            aux = bottom.twinx()
+            aux.plot(steps, [r.get("moe_aux_loss", float("nan")) for r in balance], "k:", label="balance loss", lw=1)
+            aux.set(ylabel="balance loss")
+            aux.legend(loc="upper center")
+    for ax in axes[:, 0]:
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper right")
+    axes[-1, 0].set(xlabel="optimizer step")
     fig.tight_layout()
     fig.savefig(png_path, dpi=120)
     plt.close(fig)
@@ -331,8 +354,12 @@ def build_model(run: Run, accelerator):
         ds_config["train_micro_batch_size_per_gpu"] = cfg.micro_batch_size
         ds_config["gradient_clipping"] = cfg.max_grad_norm
     model, optimizer = accelerator.prepare(model, optimizer)
+    balancer = None
+    if moe.routers(accelerator.unwrap_model(model)):
+        balancer = moe.LoadBalancer(accelerator.unwrap_model(model), cfg.moe_bias_update_speed, cfg.moe_aux_loss_alpha)
+        accelerator.register_for_checkpointing(balancer)  # the routers' biases resume exactly
     tokenizer = AutoTokenizer.from_pretrained(Path(cfg.data_dir) / "tokenizer")
-    return model, optimizer, tokenizer, n_params
+    return model, optimizer, balancer, tokenizer, n_params
 
 
 def setup(cfg: Config, given: set[str]):
@@ -364,10 +391,11 @@ def setup(cfg: Config, given: set[str]):
             )
     accelerator.wait_for_everyone()
     mem_before_model_gib = plan.peak_memory_gib(accelerator.device)  # the baseline the plan's estimate adds to
-    model, optimizer, tokenizer, n_params = build_model(run, accelerator)
-    non_embedding = plan.llama_param_counts(run.model_config)["non_embedding"]
+    model, optimizer, balancer, tokenizer, n_params = build_model(run, accelerator)
+    counts = plan.param_counts(run.model_config)
+    activated = f", {counts['activated'] / 1e6:.2f}M activated per token" if plan.is_moe(run.model_config) else ""
     accelerator.print(
-        f"model: {n_params / 1e6:.2f}M parameters ({non_embedding / 1e6:.2f}M non-embedding), "
+        f"model: {n_params / 1e6:.2f}M parameters ({counts['non_embedding'] / 1e6:.2f}M non-embedding{activated}), "
         f"{run.flops_per_token / 1e6:.1f} MFLOP/token; "
         f"peak {peak_flops / 1e12:.2f} TFLOP/s ({peak_source})"
     )
@@ -397,7 +425,7 @@ def setup(cfg: Config, given: set[str]):
     if cfg.log_with:
         config = {k: v for k, v in dataclasses.asdict(cfg).items() if isinstance(v, (int, float, str, bool))}
         accelerator.init_trackers("train", config=config)
-    return accelerator, run, model, optimizer, tokenizer, peak_flops, finaliser
+    return accelerator, run, model, optimizer, balancer, tokenizer, peak_flops, finaliser
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -405,9 +433,11 @@ def setup(cfg: Config, given: set[str]):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def optimizer_step(model, optimizer, accelerator, run: Run, step: int, lr: float, stop: bool):
+def optimizer_step(model, optimizer, balancer, accelerator, run: Run, step: int, lr: float, stop: bool):
     """Optimizer step `step + 1` over `grad_accum_steps` micro-batches. Returns (the loss averaged over all processes,
-    the gradient norm, whether any process was asked to stop); raises Diverged on a loss or norm that is not finite."""
+    the gradient norm, whether any process was asked to stop); raises Diverged on a loss or norm that is not finite.
+    A MoE model's balance loss is added to what is backpropagated (not to the loss returned), and its routers' biases
+    move once the step is taken."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     cfg, accum, rank = run.cfg, run.launch.grad_accum_steps, accelerator.process_index
@@ -422,11 +452,13 @@ def optimizer_step(model, optimizer, accelerator, run: Run, step: int, lr: float
             run.data.n_windows,
         )
         with accelerator.accumulate(model):
-            loss = lm_loss(model, inputs.to(accelerator.device), targets.to(accelerator.device))
+            with balancer.collecting() if balancer else contextlib.nullcontext():
+                loss = lm_loss(model, inputs.to(accelerator.device), targets.to(accelerator.device))
             if cli.injected_fault("nan_loss", rank, step + 1):
                 loss = loss * float("nan")
+            aux_loss = balancer.aux_loss() if balancer else None
             try:
-                accelerator.backward(loss)
+                accelerator.backward(loss if aux_loss is None else loss + aux_loss)
             except Exception as e:  # DeepSpeed's fp16 scaler raises on every rank at once when it cannot go lower
                 if "loss scale already at minimum" not in str(e):
                     raise
@@ -440,6 +472,8 @@ def optimizer_step(model, optimizer, accelerator, run: Run, step: int, lr: float
             optimizer.step()
             optimizer.zero_grad()
         loss_sum += loss.detach()
+    if balancer:
+        balancer.update(accelerator)
     if cli.injected_fault("sigterm_launcher", rank, step + 1):
         os.kill(os.getppid(), signal.SIGTERM)
     # One collective per step carries the loss and whether any process was asked to stop.
@@ -465,6 +499,7 @@ def log_step(
     peak_flops: float,
     scale: float | None,
     skipped: int,
+    extra: dict,
 ) -> tuple[dict, str]:
     """The metrics record of a log step and its console line; interval: steps, loss_sum and seconds since the last."""
     tokens_per_s = interval["steps"] * run.batch["tokens_per_step"] / interval["seconds"]
@@ -486,16 +521,19 @@ def log_step(
     }
     if scale is not None:
         record.update(loss_scale=scale, skipped_steps=skipped)
+    record.update(extra)
     line = (
         f"step {step}/{run.total_steps} | loss {loss:.4f} | lr {lr:.2e} | grad {grad_norm:.3f} | "
         f"{tokens_per_s:,.0f} tok/s | MFU {record['mfu']:.1%} | peak mem {mem:.2f} GiB"
         + (f" | scale {scale:.0f} skipped {skipped}" if scale is not None else "")
+        + (f" | MaxVio {extra['moe_maxvio_max']:.3f} worst, {extra['moe_maxvio_mean']:.3f} mean" if extra else "")
+        + (f" | aux {extra['moe_aux_loss']:.2e}" if "moe_aux_loss" in extra else "")
     )
     return record, line
 
 
 def train(cfg: Config, given: set[str]) -> int:
-    accelerator, run, model, optimizer, tokenizer, peak_flops, finaliser = setup(cfg, given)
+    accelerator, run, model, optimizer, balancer, tokenizer, peak_flops, finaliser = setup(cfg, given)
     cfg, out = run.cfg, Path(run.cfg.output_dir)
     ckpt_root = out / "checkpoints"
 
@@ -530,7 +568,7 @@ def train(cfg: Config, given: set[str]) -> int:
         lr = plan.lr_at(step, cfg.lr, cfg.warmup_steps, cfg.lr_decay_steps or run.total_steps, cfg.min_lr_ratio)
         try:
             loss, grad_norm, stop_requested = optimizer_step(
-                model, optimizer, accelerator, run, step, lr, bool(stop_signal)
+                model, optimizer, balancer, accelerator, run, step, lr, bool(stop_signal)
             )
         except Diverged as e:
             accelerator.print(f"error: {e}")
@@ -544,7 +582,8 @@ def train(cfg: Config, given: set[str]) -> int:
             interval["seconds"] = time.perf_counter() - interval["t0"]
             skipped = (engine.skipped_steps - skipped_at_start) if engine else skipped_here
             scale = fp16_loss_scale(engine, accelerator.scaler) if run.launch.precision == "fp16" else None
-            record, line = log_step(accelerator, run, step, interval, lr, grad_norm, peak_flops, scale, skipped)
+            extra = balancer.metrics(accelerator) if balancer else {}
+            record, line = log_step(accelerator, run, step, interval, lr, grad_norm, peak_flops, scale, skipped, extra)
             bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{lr:.2e}")
             log(record, line)
             interval = {"steps": 0, "loss_sum": 0.0, "t0": time.perf_counter()}
