@@ -355,10 +355,10 @@ def memory_plan(
     + Adam m and v 12 B per parameter, each sharded over the world; in fp32 training parameters and gradients take
     4 B each and there is no separate master copy. The largest tensor is gathered whole in 16-bit for its forward,
     and the optimizer step needs one fp32 temporary the size of its shard (Adam's denominator).
-    Activations saved for backward (activations_per_token), per token and layer of a Llama block (the count of Korthikanti et al. 2022
-    redone for RMSNorm, RoPE and SwiGLU, no dropout): two norm inputs (2h), attention input, q, k, v, rotated q
-    and k, attention output (4h + 3 kv), MLP input, gate, up, SiLU and product (h + 4 ffn), plus 2 a s for eager
-    attention's score matrices. Checkpointing keeps each layer's input and recomputes one layer at a time. The
+    Activations saved for backward (activations_per_token), per token and layer of a Llama block (the count of
+    Korthikanti et al. 2022 redone for RMSNorm, RoPE and SwiGLU, no dropout): two norm inputs (2h), attention input,
+    q, k, v, rotated q and k, attention output (4h + 3 kv), MLP input, gate, up, SiLU and product (h + 4 ffn), plus
+    2 a s for eager attention's score matrices; MLA and MoE layers as activations_per_token says. Checkpointing keeps each layer's input and recomputes one layer at a time. The
     loss keeps the logits, an fp32 copy and its gradient.
     """
     counts = param_counts(c)

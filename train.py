@@ -605,6 +605,12 @@ def train(cfg: Config, given: set[str]) -> int:
             accelerator.end_training()
             return 0
     bar.close()
+    finish(accelerator, model, tokenizer, out)
+    return 0
+
+
+def finish(accelerator, model, tokenizer, out: Path) -> None:
+    """After the last step's checkpoint: OUT/final and the loss curve."""
     final = checkpoint.export_final(accelerator, model, tokenizer, out)
     if accelerator.is_main_process:
         plot_losses(out / "metrics.jsonl", out / "loss_curve.png")
@@ -612,7 +618,6 @@ def train(cfg: Config, given: set[str]) -> int:
             f"done: model in {final}, loss curve in {out / 'loss_curve.png'}, metrics in {out / 'metrics.jsonl'}"
         )
     accelerator.end_training()
-    return 0
 
 
 def run_plan(cfg: Config) -> int:

@@ -67,7 +67,8 @@ def test_flops_count_activated_parameters_and_mla_widths():
 
 def test_plan_prints_total_and_activated_for_every_moe_preset():
     for name in ("deepseek-v3-tiny", "deepseek-v3-mini", "deepseek-v3-2.5b", "deepseek-v3-671b"):
-        proc = run([sys.executable, "train.py", "--plan", "--data_dir", "none", "--model_config", name, "--seq_len", "512",
+        proc = run([sys.executable, "train.py", "--plan", "--data_dir", "none", "--model_config", name,
+                    "--seq_len", "512",
                     "--accelerate_config", "accelerate_configs/zero3_3gpu.yaml"])  # fmt: skip
         assert "activated per token" in proc.stdout and "M parameters" in proc.stdout, proc.stdout
 
