@@ -359,7 +359,8 @@ def memory_plan(
     Korthikanti et al. 2022 redone for RMSNorm, RoPE and SwiGLU, no dropout): two norm inputs (2h), attention input,
     q, k, v, rotated q and k, attention output (4h + 3 kv), MLP input, gate, up, SiLU and product (h + 4 ffn), plus
     2 a s for eager attention's score matrices; MLA and MoE layers as activations_per_token says. Checkpointing
-    keeps each layer's input and recomputes one layer at a time. The loss keeps the logits, an fp32 copy and its gradient.
+    keeps each layer's input and recomputes one layer at a time. The loss keeps the logits, an fp32 copy and its
+    gradient.
     """
     counts = param_counts(c)
     p, n = counts["total"], world_size
