@@ -280,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import HfArgumentParser
 
     (cfg,) = HfArgumentParser(Config, description=__doc__.split("\n\n")[0]).parse_args_into_dataclasses(argv)
+    cli.quiet_console()
     if not cfg.model:
         print("error: --model is required: a model directory such as OUT/final from train.py", file=sys.stderr)
         return 2

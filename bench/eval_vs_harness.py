@@ -1,12 +1,13 @@
 """eval.py against lm-evaluation-harness on WikiText-2 test: whole-process wall time, same model, pages and dtype.
 
-    python bench/eval_vs_harness.py [--model_config mini] [--harness_batch_sizes 4 8 16]
+    python bench/eval_vs_harness.py [--model_config mini] [--harness_batch_sizes 4 8 16] [--rounds 2]
 
 The model is the quickstart's shape (the `mini` preset with a 4096-token BPE trained on python-docs), randomly
 initialised: speed does not depend on the weights. Both sides score the 62 pages of the local wiki.test.raw in fp32
 on this machine's CPU: eval.py with its defaults, the harness through a task YAML that reads the pages from a local
 JSONL with the harness's own detokenizer and process_results (the Hub is out of reach). The harness runs at each
---harness_batch_sizes and its fastest counts. Both report the same word perplexity (checked here to 1e-6).
+--harness_batch_sizes in the first round and at its fastest in the next --rounds - 1, alternating with eval.py; the
+fastest run of each side counts. Both report the same word perplexity (checked here to 1e-6).
 Target: eval.py at least 1.2x faster than the harness at its best batch size.
 """
 
@@ -33,59 +34,42 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model_config", default="mini")
     ap.add_argument("--harness_batch_sizes", type=int, nargs="+", default=[4, 8, 16])
+    ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     raw = Path(os.environ.get("WIKITEXT2_DIR", REPO.parent / "shared" / "data" / "wikitext-2")) / "wiki.test.raw"
     if not raw.is_file():
         raise SystemExit(f"{raw} not found: this benchmark needs a local WikiText-2 test file (set WIKITEXT2_DIR)")
+    offline = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         model_dir = make_model(prepare_docs(str(tmp), vocab=4096), args.model_config, tmp / "model")
         task = tmp / "task"
         name = lmdata.write_harness_wikitext_task(lmdata.harness_wikitext_pages(raw.read_text(encoding="utf-8")), task)
-        eval_s = timed(
-            [
-                sys.executable,
-                "eval.py",
-                "--model",
-                str(model_dir),
-                "--dataset",
-                str(raw),
-                "--dtype",
-                "float32",
-                "--output_json",
-                str(tmp / "eval.json"),
-            ]
-        )
-        harness_s, harness = {}, {}
-        for bs in args.harness_batch_sizes:
-            out = tmp / f"harness{bs}"
-            harness_s[bs] = timed(
-                lmdata.harness_command(model_dir, task, name, bs, out),
-                env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
-            )
-            harness[bs] = lmdata.read_harness_results(out, name)["word_perplexity"]
+        eval_cmd = [sys.executable, "eval.py", "--model", str(model_dir), "--dataset", str(raw), "--dtype", "float32",
+                    "--output_json", str(tmp / "eval.json")]  # fmt: skip
+        eval_s, harness_s, harness = [], {}, {}
+        for r in range(args.rounds):  # alternated, so the machine's drift reaches both sides
+            eval_s.append(timed(eval_cmd))
+            sizes = args.harness_batch_sizes if r == 0 else [min(harness_s, key=lambda bs: min(harness_s[bs]))]
+            for bs in sizes:
+                out = tmp / f"harness{bs}"
+                harness_s.setdefault(bs, []).append(
+                    timed(lmdata.harness_command(model_dir, task, name, bs, out), offline)
+                )
+                harness[bs] = lmdata.read_harness_results(out, name)["word_perplexity"]
         ours = json.loads((tmp / "eval.json").read_text())
-    best = min(harness_s, key=harness_s.get)
+    best = min(harness_s, key=lambda bs: min(harness_s[bs]))
     for bs, ppl in harness.items():
         if abs(ppl - ours["word_perplexity"]) > 1e-6 * ppl:
             raise SystemExit(
                 f"harness at batch size {bs} gives word perplexity {ppl}, eval.py {ours['word_perplexity']}"
             )
-    record(
-        "eval_vs_harness",
-        {
-            "model_config": args.model_config,
-            "pages": ours["documents"],
-            "tokens": ours["tokens"],
-            "dtype": "float32",
-            "eval_py_s": eval_s,
-            "harness_s_by_batch_size": harness_s,
-            "harness_best_batch_size": best,
-            "word_perplexity": ours["word_perplexity"],
-            "ratio_harness_best_s_over_eval_py_s": harness_s[best] / eval_s,
-            "target": 1.2,
-        },
-    )
+    record("eval_vs_harness", {
+        "model_config": args.model_config, "pages": ours["documents"], "tokens": ours["tokens"], "dtype": "float32",
+        "eval_py_s_rounds": eval_s, "harness_s_by_batch_size": harness_s, "harness_best_batch_size": best,
+        "word_perplexity": ours["word_perplexity"],
+        "ratio_harness_best_s_over_eval_py_s": min(harness_s[best]) / min(eval_s), "target": 1.2,
+    })  # fmt: skip
 
 
 def make_model(data: Path, model_config: str, out: Path) -> Path:

@@ -4,7 +4,8 @@
 # 1. fp16 ZeRO-3 with dynamic loss scaling really running (loss scale and skipped steps logged),
 # 2. the same in bf16,
 # 3. tokens/s and MFU of the deepseek-1.3b preset at sequence length 2048,
-# 4. peak GPU memory against the planner's prediction (train.py prints its plan at start).
+# 4. peak GPU memory against the planner's prediction (train.py prints its plan at start),
+# 5. the MoE preset deepseek-v3-mini in bf16 (routing, bias balancing and MaxVio on a GPU).
 # Everything goes to ${OUT:-bench/results/gpu}; the summary lines are printed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,17 +38,23 @@ for precision in fp16 bf16; do
     timeout 240 accelerate launch --config_file "$OUT/one_gpu.yaml" --mixed_precision "$precision" train.py \
         "${common[@]}" --output_dir "$OUT/run_$precision" 2>&1 | tee "$OUT/run_$precision.log" | grep -E "^(plan|  |batch plan|model:|step [0-9]+/)" || true
 done
+rm -rf "$OUT/run_moe"
+timeout 120 accelerate launch --config_file "$OUT/one_gpu.yaml" --mixed_precision bf16 train.py --data_dir "$OUT/data" \
+    --model_config deepseek-v3-mini --seq_len 1024 --micro_batch_size 8 --max_steps 40 --warmup_steps 10 --lr 1e-3 \
+    --log_every 10 --eval_every 0 --eval_tokens 65536 --save_every 0 --output_dir "$OUT/run_moe" 2>&1 \
+    | tee "$OUT/run_moe.log" | grep -E "^(plan|batch plan|model:|step [0-9]+/)" || true
 python - "$OUT" <<'PY'
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-for p in ("fp16", "bf16"):
+for p in ("fp16", "bf16", "moe"):
     m = out / f"run_{p}" / "metrics.jsonl"
     if not m.exists():
         print(f"{p}: no metrics (see {out}/run_{p}.log)"); continue
     r = [json.loads(l) for l in m.read_text().splitlines() if '"loss"' in l]
     last = r[-1]
     extra = f", loss scale {last['loss_scale']:.0f}, skipped {last['skipped_steps']}" if "loss_scale" in last else ""
+    extra += f", MaxVio {last['moe_maxvio_mean']:.2f}" if "moe_maxvio_mean" in last else ""
     print(f"{p}: loss {r[0]['loss']:.3f} -> {last['loss']:.3f}, {last['tokens_per_s']:,.0f} tokens/s, MFU {last['mfu']:.1%}, "
           f"peak {max(x['peak_mem_gib'] for x in r):.1f} GiB{extra}")
 PY

@@ -29,6 +29,7 @@ BENCHMARKS = [  # (result name, command)
     ("zero3_knobs", ["bench/zero3_knobs.py"]),
     ("eval_throughput", ["bench/eval_throughput.py"]),
     ("eval_vs_harness", ["bench/eval_vs_harness.py"]),
+    ("moe_throughput", ["bench/moe_throughput.py"]),
     ("planner_memory", ["bench/planner_memory.py"]),
 ]
 NEEDS_WIKITEXT = {"prepare_vs_tokenizer_wikitext2", "eval_vs_harness"}

@@ -65,12 +65,15 @@ def test_flops_count_activated_parameters_and_mla_widths():
     assert plan.model_flops_per_token(c, 32) == 6 * counts["activated_non_embedding"] + 6 * attention
 
 
-def test_plan_prints_total_and_activated_for_every_moe_preset():
+def test_plan_prints_total_and_activated_for_every_moe_preset(capsys):
+    import train
+
     for name in ("deepseek-v3-tiny", "deepseek-v3-mini", "deepseek-v3-2.5b", "deepseek-v3-671b"):
-        proc = run([sys.executable, "train.py", "--plan", "--data_dir", "none", "--model_config", name,
-                    "--seq_len", "512",
-                    "--accelerate_config", "accelerate_configs/zero3_3gpu.yaml"])  # fmt: skip
-        assert "activated per token" in proc.stdout and "M parameters" in proc.stdout, proc.stdout
+        cfg = train.Config(plan=True, data_dir="none", model_config=name, seq_len=512,
+                           accelerate_config="accelerate_configs/zero3_3gpu.yaml")  # fmt: skip
+        assert train.run_plan(cfg) == 0
+        out = capsys.readouterr().out
+        assert "activated per token" in out and "M parameters" in out, out
 
 
 def test_the_rtx4090_preset_fits_three_cards():
