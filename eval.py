@@ -198,7 +198,8 @@ def load_model(cfg: Config, device: torch.device):
     path = Path(cfg.model).expanduser()
     if path.exists() and not (path / "config.json").is_file():
         raise UserError(
-            f"--model {cfg.model} is not a model directory (no config.json); pass e.g. OUT/final from train.py"
+            f"--model {cfg.model} is not a model directory (no config.json); pass e.g. the OUT/final directory that "
+            "train.py writes"
         )
     offline = None if path.exists() else lmdata.hub_unreachable_reason()
     if offline:
@@ -282,7 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     (cfg,) = HfArgumentParser(Config, description=__doc__.split("\n\n")[0]).parse_args_into_dataclasses(argv)
     cli.quiet_console()
     if not cfg.model:
-        print("error: --model is required: a model directory such as OUT/final from train.py", file=sys.stderr)
+        print(
+            "error: --model is required: a model directory such as the OUT/final that train.py writes", file=sys.stderr
+        )
         return 2
     try:
         report = evaluate(cfg)

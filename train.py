@@ -198,7 +198,9 @@ def validate(cfg: Config) -> lmdata.TrainingData:
     for name in ("seq_len", "micro_batch_size", "log_every", "keep_last"):
         if getattr(cfg, name) < 1:
             raise UserError(f"--{name} {getattr(cfg, name)} must be at least 1")
-    for name in ("max_steps", "warmup_steps", "lr_decay_steps", "eval_every", "save_every", "eval_tokens"):
+    never_negative = ("max_steps", "warmup_steps", "lr_decay_steps", "eval_every", "save_every", "eval_tokens",
+                      "moe_bias_update_speed", "moe_aux_loss_alpha")  # fmt: skip
+    for name in never_negative:
         if getattr(cfg, name) < 0:
             raise UserError(f"--{name} {getattr(cfg, name)} must not be negative")
     if cfg.max_steps == 0 and cfg.num_epochs <= 0:

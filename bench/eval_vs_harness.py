@@ -52,7 +52,7 @@ def main():
             eval_s.append(timed(eval_cmd))
             sizes = args.harness_batch_sizes if r == 0 else [min(harness_s, key=lambda bs: min(harness_s[bs]))]
             for bs in sizes:
-                out = tmp / f"harness{bs}"
+                out = tmp / f"harness{bs}-round{r}"
                 harness_s.setdefault(bs, []).append(
                     timed(lmdata.harness_command(model_dir, task, name, bs, out), offline)
                 )

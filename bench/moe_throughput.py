@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from common import REPO, free_port, prepare_docs, record, train_py_rate
+from common import free_port, prepare_docs, record, train_py_rate
 
 import lmdata
 import plan
@@ -98,11 +98,12 @@ def main():
                                        args.steps, processes=args.processes)  # fmt: skip
                 rates[name].append(result["tokens_per_s"])
         profile_share = where_time_goes(moe_config, args.seq_len, args.batch)
+        dense_width = json.loads(dense_path.read_text())["intermediate_size"]
     counts = plan.param_counts(moe_config)
     moe, dense = statistics.median(rates["moe"]), statistics.median(rates["dense"])
     record("moe_throughput", {
         "moe_preset": args.moe, "moe_parameters": counts["total"], "moe_activated_parameters": counts["activated"],
-        "dense_preset": f"{args.dense}, intermediate_size {json.loads(dense_path.read_text())['intermediate_size']}",
+        "dense_preset": f"{args.dense}, intermediate_size {dense_width}",
         "moe_flops_per_token": moe_flops, "dense_flops_per_token": dense_flops, "processes": args.processes,
         "tokens_per_step": args.processes * args.batch * args.seq_len, "moe_tokens_per_s_rounds": rates["moe"],
         "dense_tokens_per_s_rounds": rates["dense"], "ratio_moe_vs_dense": moe / dense, "target": 0.6,

@@ -181,7 +181,7 @@ def deepspeed_rounds(data: Path, tmp: Path, args) -> dict:
 
     return {
         "ds_setup": f"{n} processes, ZeRO-3 CPU config, {model}, {batch} x {seq} tokens, {args.ds_steps} steps, "
-        "{args.rounds} rounds",
+        f"{args.rounds} rounds",
         **{f"ds_{k}_tokens_per_s": v for k, v in rates.items()},
         "ratio_train_py_vs_bare_accelerate_deepspeed": ratio("train_py_no_eval_at_start", "bare"),
         "ratio_train_py_with_step0_eval_vs_bare_eval_first": ratio("train_py", "bare_eval_first"),

@@ -144,3 +144,20 @@ def trained(docs_data, tmp_path_factory) -> Path:
         "tensorboard",
     )
     return out
+
+
+def reloaded_model(final_dir, data_dir) -> dict:
+    """OUT/final in a fresh process, as a user loads it: its class, its mean loss on the first 2048 validation tokens in
+    32-token windows (what train.py's runs here log as val_loss), and the length of a greedy 4-token continuation."""
+    script = f"""
+import sys; sys.path.insert(0, "."); import json, torch, numpy as np, lmdata, lmloss
+from transformers import AutoModelForCausalLM
+m = AutoModelForCausalLM.from_pretrained("{final_dir}").eval()
+tokens = lmdata.load_split("{data_dir}", "validation")[: 2048 + 1]
+rows = torch.from_numpy(np.stack([lmdata.window(tokens, i, 32) for i in range(lmdata.num_windows(len(tokens), 32))]))
+with torch.no_grad():
+    nll, n = lmloss.nll_sum(m(input_ids=rows[:, :-1]).logits, rows[:, 1:])
+    generated = m.generate(rows[:1, :8], max_new_tokens=4, do_sample=False)
+print(json.dumps({{"class": type(m).__name__, "val_loss": float(nll / n), "generated": generated.shape[1]}}))
+"""
+    return json.loads(run([sys.executable, "-c", script]).stdout.strip().splitlines()[-1])

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import plan
-from conftest import launch, metrics, run, train_records
+from conftest import launch, metrics, reloaded_model, run, train_records
 
 STEPS = 24
 HALF = 12
@@ -129,18 +129,8 @@ def test_bias_balancing_lowers_maxvio(moe_ref, docs_data, tmp_path):
 def test_exported_moe_reloads_generates_and_scores(moe_ref, docs_data):
     out = moe_ref[0]
     val = [r for r in metrics(out) if "val_loss" in r][-1]["val_loss"]
-    script = f"""
-import sys; sys.path.insert(0, "."); import json, torch, numpy as np, lmdata, lmloss
-from transformers import AutoModelForCausalLM
-m = AutoModelForCausalLM.from_pretrained("{out / "final"}").eval()
-tokens = lmdata.load_split("{docs_data}", "validation")[: 2048 + 1]
-rows = torch.from_numpy(np.stack([lmdata.window(tokens, i, 32) for i in range(lmdata.num_windows(len(tokens), 32))]))
-with torch.no_grad():
-    nll, n = lmloss.nll_sum(m(input_ids=rows[:, :-1]).logits, rows[:, 1:])
-    generated = m.generate(rows[:1, :8], max_new_tokens=4, do_sample=False)
-print(json.dumps([type(m).__name__, float(nll / n), generated.shape[1]]))
-"""
-    name, fresh, length = json.loads(run([sys.executable, "-c", script]).stdout.strip().splitlines()[-1])
+    reloaded = reloaded_model(out / "final", docs_data)
+    name, fresh, length = reloaded["class"], reloaded["val_loss"], reloaded["generated"]
     assert name == "DeepseekV3ForCausalLM" and length == 12
     assert fresh == pytest.approx(val, rel=1e-5)
     report = out / "eval.json"

@@ -15,7 +15,7 @@ import torch
 
 import checkpoint
 from cli import UserError
-from conftest import REPO, TINY, launch, launch_cmd, metrics, run, train_records
+from conftest import REPO, TINY, launch, launch_cmd, metrics, reloaded_model, run, train_records
 
 STEPS = ["--max_steps", "10"]
 
@@ -117,17 +117,7 @@ def test_validation_loss_falls_and_final_model_loads(trained, docs_data):
     assert (out / "loss_curve.png").stat().st_size > 10_000
     assert list(out.rglob("events.out.tfevents.*")), "--log_with tensorboard wrote no event file"
     # OUT/final in a fresh process: its validation loss equals the one the training processes logged.
-    script = f"""
-import sys; sys.path.insert(0, "."); import json, torch, numpy as np, lmdata, lmloss
-from transformers import AutoModelForCausalLM
-m = AutoModelForCausalLM.from_pretrained("{out / "final"}").eval()
-tokens = lmdata.load_split("{docs_data}", "validation")[: 2048 + 1]
-rows = torch.from_numpy(np.stack([lmdata.window(tokens, i, 32) for i in range(lmdata.num_windows(len(tokens), 32))]))
-with torch.no_grad():
-    nll, n = lmloss.nll_sum(m(input_ids=rows[:, :-1]).logits, rows[:, 1:])
-print(json.dumps(float(nll / n)))
-"""
-    fresh = json.loads(run([sys.executable, "-c", script]).stdout.strip().splitlines()[-1])
+    fresh = reloaded_model(out / "final", docs_data)["val_loss"]
     assert fresh == pytest.approx(val[-1]["val_loss"], rel=1e-5)
 
 
@@ -259,6 +249,10 @@ def startup_cases(docs_data, tmp_path):
             ["--data_dir", d, "--seq_len", "64", "--eval_tokens", "32"],
             "--eval_tokens 32 is less than",
         ),
+        "negative bias speed": (
+            ["--data_dir", d, "--moe_bias_update_speed", "-0.001"],
+            "--moe_bias_update_speed -0.001 must not be negative",
+        ),
     }
 
 
@@ -275,6 +269,7 @@ def startup_cases(docs_data, tmp_path):
         "bad resume path",
         "resume into a foreign dir",
         "eval_tokens under seq_len",
+        "negative bias speed",
     ],
 )
 def test_startup_errors(docs_data, tmp_path, case):
@@ -319,7 +314,6 @@ def test_init_from_loads_weights_under_zero3(trained, docs_data, tmp_path):
     ["world_size", "micro_batch_size", "grad_accum_steps", "seq_len", "seed", "data_fingerprint", "model_config_hash"],
 )
 def test_resume_refuses_any_difference(key):
-    import train
 
     state = {
         "world_size": 3,
