@@ -5,7 +5,9 @@
   the constraint and the fix; main() prints it as `error: ...` and exits 2, before anything is half-written.
 - write_atomic / write_json_atomic / replace_dir: a reader, or a crash, sees the old file or directory or the whole
   new one, never a part.
-- quiet_console: third-party start-up lines that carry no information, once per process, are dropped.
+- quiet_console / without_noise / progress_bar: third-party start-up lines that carry no information are dropped,
+  and progress bars show only on a terminal.
+- injected_fault: the crash tests' switch (TRAIN_TEST_FAULT), inert unless set.
 - exit_process: the end of a launched process (see its docstring for the crash it avoids).
 """
 
@@ -66,8 +68,9 @@ def write_json_atomic(path: Path, data: dict) -> None:
 
 
 def replace_dir(tmp: Path, final: Path) -> None:
-    """Move the finished directory tmp to final. An existing final is renamed aside first and deleted last, so a
-    crash at any point leaves the old directory or the new one under a name a rerun recognises."""
+    """Move the finished directory tmp to final. An existing final is renamed aside (.NAME.stale) first and deleted
+    last, so nothing is deleted before the new directory is in place; a crash between the two renames leaves the old
+    one as .NAME.stale and the new one under tmp's name."""
     stale = final.with_name(f".{final.name}.stale")
     shutil.rmtree(stale, ignore_errors=True)
     if final.exists():
