@@ -436,11 +436,11 @@ def step_time_plan(
     return {"compute_s": compute_s, "comm_s": comm_s, "step_s": step_s, "tokens_per_s": tokens_per_step / step_s}
 
 
-def plan_report(
-    cfg, model_config, launch: Launch, batch: dict, gpu_memory_gib: float, peak_flops_per_device: float, steps: int
-) -> tuple[list[str], bool]:
+def plan_report(cfg, model_config, launch: Launch, batch: dict, flops_tok: float, gpu_memory_gib: float,
+                peak_flops_per_device: float, steps: int) -> tuple[list[str], bool]:  # fmt: skip
     """The memory and time plan as printable lines, and whether the model states + activations fit the devices.
-    cfg is train.py's Config (micro batch, sequence length, checkpointing, attention, assumed MFU and bandwidth)."""
+    cfg is train.py's Config (micro batch, sequence length, checkpointing, attention, assumed MFU and bandwidth);
+    flops_tok is model_flops_per_token of the model at that sequence length."""
     world, nodes = launch.world_size, launch.nodes
     mem = memory_plan(
         model_config,
@@ -464,7 +464,6 @@ def plan_report(
     )
     need = max(mem["gpu_total"], ds_gpu + gpu["activations"])
     fits = need <= gpu_memory_gib * GIB * 0.95  # the CUDA context, allocator fragmentation and buffers take the rest
-    flops_tok = model_flops_per_token(model_config, cfg.seq_len)
     t = step_time_plan(
         flops_tok,
         batch["tokens_per_step"],

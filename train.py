@@ -322,7 +322,14 @@ def check_memory_plan(run: Run, accelerator, peak_flops: float) -> None:
     cfg, launch = run.cfg, run.launch
     device_gib = torch.cuda.get_device_properties(accelerator.device).total_memory / plan.GIB if launch.gpu else 0.0
     lines, fits = plan.plan_report(
-        cfg, run.model_config, launch, run.batch, device_gib, peak_flops / launch.world_size, run.total_steps
+        cfg,
+        run.model_config,
+        launch,
+        run.batch,
+        run.flops_per_token,
+        device_gib,
+        peak_flops / launch.world_size,
+        run.total_steps,
     )
     accelerator.print("\n".join(lines))
     if not fits and not cfg.ignore_memory_plan:
@@ -633,7 +640,8 @@ def run_plan(cfg: Config) -> int:
         return 2
     peak = plan.GPU_PEAK_FLOPS["RTX 4090"] if launch.gpu else 0.1e12  # the target card; a CPU core at ~100 GFLOP/s
     batch = plan.batch_plan(cfg.micro_batch_size, launch.grad_accum_steps, launch.world_size, cfg.seq_len)
-    lines, _ = plan.plan_report(cfg, model_config, launch, batch, cfg.gpu_memory_gib, peak, cfg.max_steps)
+    flops_tok = plan.model_flops_per_token(model_config, cfg.seq_len)
+    lines, _ = plan.plan_report(cfg, model_config, launch, batch, flops_tok, cfg.gpu_memory_gib, peak, cfg.max_steps)
     print("\n".join(lines))
     return 0
 
