@@ -14,8 +14,9 @@ import dataclasses
 import hashlib
 import json
 import os
-import signal
+import re
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -51,20 +52,25 @@ SCHEDULE_LENGTH = {"max_steps", "num_epochs", "lr_decay_steps"}
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+MARKER = "train_run.json"  # written into OUT before anything else: the only directories train.py writes into
+
+
 def check_output_dir(output_dir: str, resume: str) -> None:
     """--output_dir and --resume, checked before a checkpoint's settings are read from them."""
     out = Path(output_dir)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--output_dir {output_dir} is a file, not a directory; choose a directory")
     if out.exists() and any(out.iterdir()):
         if not resume:
             raise UserError(
                 f"--output_dir {output_dir} is not empty; pass --resume auto to continue that run or "
                 f"choose an empty directory"
             )
-        if not written_by_train_py(out):
+        if not is_train_run(out):
+            found = ", ".join(sorted(p.name + "/" * p.is_dir() for p in out.iterdir())[:6])
             raise UserError(
-                f"--output_dir {output_dir} holds files but no train.py run (no checkpoints/, no "
-                f"config.json of train.py); --resume continues only a train.py run: choose an empty or "
-                f"new directory"
+                f"--output_dir {output_dir} holds {found} but no train.py run (no {MARKER}); --resume continues "
+                f"and writes only into directories train.py created: choose an empty or new directory"
             )
     probe = out if out.exists() else next(p for p in out.absolute().parents if p.exists())
     if not probe.is_dir() or not os.access(probe, os.W_OK):
@@ -78,14 +84,30 @@ def check_output_dir(output_dir: str, resume: str) -> None:
         )
 
 
-def written_by_train_py(out: Path) -> bool:
-    """Whether OUT is a train.py output directory, the only kind whose final/ and config.json train.py replaces."""
-    try:
-        return (out / "checkpoints").is_dir() or json.loads((out / "config.json").read_text()).get(
-            "written_by"
-        ) == "train.py"
-    except (OSError, ValueError, AttributeError):
-        return False
+def is_train_run(out: Path) -> bool:
+    """Whether OUT was created by train.py: its marker, or (runs from before the marker) train.py's config.json or a
+    checkpoint with train.py's trainer_state.json. A folder that merely holds a `checkpoints/` is not enough."""
+
+    def written_by_train_py(path: Path, key: str) -> bool:
+        try:
+            return key in json.loads(path.read_text())
+        except (OSError, ValueError, TypeError):
+            return False
+
+    if written_by_train_py(out / MARKER, "written_by") or written_by_train_py(out / "config.json", "written_by"):
+        return True
+    return any(
+        written_by_train_py(p / "trainer_state.json", "model_config_hash") for p in step_dirs(out / "checkpoints")
+    )
+
+
+def mark_train_run(out: Path) -> None:
+    """OUT's marker, written once, before train.py writes anything else into OUT."""
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / MARKER).is_file():  # a temporary name of its own: each machine's first process may write it at once
+        tmp = out / f".{MARKER}.{os.getpid()}-{os.urandom(4).hex()}"
+        tmp.write_text(json.dumps({"written_by": "train.py", "created": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
+        os.replace(tmp, out / MARKER)
 
 
 def config_for_resume(cfg, given: set[str], saved: dict):
@@ -142,14 +164,24 @@ def config_hash(model_config) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def read_model_config(ckpt: Path):
+    """The model config a checkpoint was trained with (saved beside its shards): a resume needs nothing else."""
+    from transformers import AutoConfig
+
+    d = json.loads((ckpt / "model_config.json").read_text())
+    return AutoConfig.for_model(d.pop("model_type"), **d)
+
+
 def check_resume_compatible(state: dict, current: dict, ckpt: Path) -> None:
-    """A checkpoint only continues the same run: ZeRO-3 shards are per rank, and the data order and schedule depend on
-    the global batch, sequence length, data and seed."""
+    """A checkpoint only continues the same run: ZeRO-3 shards are per rank, the data order and schedule depend on
+    the global batch, sequence length, data and seed, and DeepSpeed's files are named by precision. Keys a checkpoint
+    from an older train.py lacks are not compared."""
     for key, value in current.items():
-        if state.get(key) != value:
+        if key in state and state[key] != value:
+            where = " (the accelerate config's mixed_precision, or --mixed_precision at launch)" * (key == "precision")
             raise UserError(
-                f"cannot resume {ckpt}: it was made with {key}={state.get(key)!r}, this run has "
-                f"{key}={value!r}; relaunch with the original setting, or start a new --output_dir with "
+                f"cannot resume {ckpt}: it was made with {key}={state[key]!r}, this run has "
+                f"{key}={value!r}{where}; relaunch with the original setting, or start a new --output_dir with "
                 f"--init_from OUT/final (weights only, fresh optimizer and schedule)"
             )
 
@@ -159,34 +191,88 @@ def check_resume_compatible(state: dict, current: dict, ckpt: Path) -> None:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def complete_checkpoints(ckpt_root: Path) -> list[Path]:
-    found = [p for p in ckpt_root.glob("step_*") if p.is_dir() and (p / "trainer_state.json").is_file()]
-    return sorted(found, key=lambda p: int(p.name.split("_")[1]))
+STEP_DIR = re.compile(r"step_(\d+)")
 
 
-def newest_checkpoint(ckpt_root: Path) -> Path | None:
-    """What `--resume auto` continues: the checkpoint `latest` names, else the newest complete one."""
-    latest = ckpt_root / "latest"
-    if latest.is_file():
-        named = ckpt_root / latest.read_text().strip()
-        if (named / "trainer_state.json").is_file():
-            return named
-    done = complete_checkpoints(ckpt_root)
-    return done[-1] if done else None
+def step_of(path: Path) -> int | None:
+    """N of a `step_N` directory name; None for any other name (a user's step_2.bak is not a checkpoint)."""
+    match = STEP_DIR.fullmatch(path.name)
+    return int(match.group(1)) if match else None
+
+
+def step_dirs(ckpt_root: Path) -> list[Path]:
+    """The step_N directories, oldest first, complete or not; other names are never parsed or touched."""
+    if not ckpt_root.is_dir():
+        return []
+    return sorted((p for p in ckpt_root.iterdir() if p.is_dir() and step_of(p) is not None), key=step_of)
+
+
+def write_manifest(ckpt: Path) -> None:
+    """manifest.json: every file of the checkpoint with its size, written last, so a checkpoint that lost or truncated
+    a shard afterwards (a full disk, a partial copy, a user's rm) is recognised before DeepSpeed reads it."""
+    files = sorted(p for p in ckpt.rglob("*") if p.is_file() and p.name != "manifest.json")
+    write_json_atomic(ckpt / "manifest.json", {"files": {str(p.relative_to(ckpt)): p.stat().st_size for p in files}})
+
+
+def checkpoint_problem(ckpt: Path) -> str | None:
+    """Why a checkpoint cannot be resumed from (None: it is intact). Checkpoints from before manifests are taken on
+    their trainer_state.json alone."""
+    try:
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+            return "trainer_state.json has no step"
+    except FileNotFoundError:
+        return "no trainer_state.json (a run died while writing it)"
+    except (OSError, ValueError) as e:
+        return f"trainer_state.json is unreadable ({type(e).__name__})"
+    manifest = ckpt / "manifest.json"
+    if not manifest.exists():
+        return None
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "manifest.json is unreadable"
+    for name, size in files.items():
+        path = ckpt / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, the manifest says {size}"
+    return None
+
+
+def read_trainer_state(ckpt: Path) -> dict:
+    problem = checkpoint_problem(ckpt)
+    if problem is not None:
+        older = [p.name for p in step_dirs(ckpt.parent) if p != ckpt and checkpoint_problem(p) is None]
+        fix = f"resume from {ckpt.parent / older[-1]}" if older else "start a new --output_dir"
+        raise UserError(f"cannot resume {ckpt}: {problem}; {fix}")
+    return json.loads((ckpt / "trainer_state.json").read_text())
+
+
+def newest_intact_checkpoint(ckpt_root: Path, say) -> Path | None:
+    """What `--resume auto` continues on this machine: the newest checkpoint that verifies; each newer one that does
+    not is named with the reason and left where it is."""
+    for ckpt in reversed(step_dirs(ckpt_root)):
+        problem = checkpoint_problem(ckpt)
+        if problem is None:
+            return ckpt
+        say(f"warning: skipping checkpoint {ckpt}: {problem}")
+    return None
 
 
 def find_resume_checkpoint(resume: str, ckpt_root: Path, accelerator) -> Path | None:
     """The checkpoint to resume from, the same on every rank. With node-local disks each machine sees only its own
     copies, and a kill between two machines' renames leaves them at different steps: all take the oldest."""
-    incomplete = [p for p in ckpt_root.glob("step_*") if not (p / "trainer_state.json").is_file()]
-    for partial in sorted(ckpt_root.glob(".tmp-step_*")) + incomplete:
+    for partial in sorted(ckpt_root.glob(".tmp-step_*")):
         accelerator.print(f"warning: ignoring incomplete checkpoint {partial} (a run died while writing it)")
     if resume not in ("", "auto"):
+        read_trainer_state(Path(resume))  # refuses a damaged checkpoint before anything moves or loads
         return Path(resume)
     if resume != "auto":
         return None
-    mine = newest_checkpoint(ckpt_root)
-    step = int(mine.name.split("_")[1]) if mine is not None else -1
+    mine = newest_intact_checkpoint(ckpt_root, accelerator.print)
+    step = step_of(mine) if mine is not None else -1
     lowest, highest = step, step
     if accelerator.num_processes > 1:
         steps = torch.tensor([step, -step], device=accelerator.device)
@@ -205,7 +291,7 @@ def find_resume_checkpoint(resume: str, ckpt_root: Path, accelerator) -> Path | 
             f"all resume from step {lowest}"
         )
     chosen = ckpt_root / f"step_{lowest}"
-    missing = torch.tensor([float(not (chosen / "trainer_state.json").is_file())], device=accelerator.device)
+    missing = torch.tensor([float(checkpoint_problem(chosen) is not None)], device=accelerator.device)
     if float(accelerator.reduce(missing, "sum")) > 0:
         raise UserError(
             f"--resume auto: {chosen} is not complete on every machine; copy it there or resume from an "
@@ -217,11 +303,10 @@ def find_resume_checkpoint(resume: str, ckpt_root: Path, accelerator) -> Path | 
 def set_aside_newer(ckpt_root: Path, resume_from: Path) -> Path | None:
     """An explicit --resume from an older checkpoint starts a new branch: the checkpoints after it move to
     checkpoints/abandoned-<time>/ (kept, but out of pruning's and --resume auto's way) and `latest` names
-    resume_from."""
+    resume_from. Called only once resume_from has loaded."""
     if not ckpt_root.is_dir() or resume_from.parent.resolve() != ckpt_root.resolve():
         return None
-    step = int(resume_from.name.split("_")[1])
-    newer = [p for p in ckpt_root.glob("step_*") if p.is_dir() and int(p.name.split("_")[1]) > step]
+    newer = [p for p in step_dirs(ckpt_root) if step_of(p) > step_of(resume_from)]
     if not newer:
         return None
     aside = ckpt_root / time.strftime("abandoned-%Y%m%d-%H%M%S")
@@ -230,6 +315,19 @@ def set_aside_newer(ckpt_root: Path, resume_from: Path) -> Path | None:
         os.replace(p, aside / p.name)
     write_atomic(ckpt_root / "latest", resume_from.name + "\n")
     return aside
+
+
+def remove_leftovers(ckpt_root: Path, finished: bool) -> list[str]:
+    """What earlier runs in OUT left that nothing will read: half-written checkpoints (.tmp-step_N), old copies a
+    crash left beside their replacement (.step_N.stale, when step_N is there), markers of crashed starts; once the
+    run has finished, also the branches an explicit --resume set aside. Returns the names removed."""
+    doomed = list(ckpt_root.glob(".tmp-step_*")) + list(ckpt_root.glob(".rank0-*"))
+    doomed += [p for p in ckpt_root.glob(".step_*.stale") if (ckpt_root / p.name[1 : -len(".stale")]).is_dir()]
+    if finished:
+        doomed += list(ckpt_root.glob("abandoned-*"))
+    for p in doomed:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    return sorted(p.name for p in doomed)
 
 
 def first_process_on_disk(accelerator, directory: Path) -> bool:
@@ -256,36 +354,93 @@ def first_process_on_disk(accelerator, directory: Path) -> bool:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+class CheckpointWriteError(Exception):
+    """A checkpoint could not be written (exit 3): the message names the directory, the likely cause and the fix."""
+
+
+def write_failure(tmp: Path, error: BaseException, last_good: Path | None) -> CheckpointWriteError:
+    import resource
+
+    free_gib = shutil.disk_usage(tmp if tmp.exists() else tmp.parent).free / 2**30
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    why = f"{free_gib:.1f} GiB free on that disk" + (
+        f", file size limit (ulimit -f) {limit} bytes" if limit != resource.RLIM_INFINITY else ""
+    )
+    keep = f"the last complete checkpoint, {last_good}, is intact" if last_good else "no earlier checkpoint exists"
+    return CheckpointWriteError(
+        f"writing checkpoint {tmp} failed: {type(error).__name__}: {error} ({why}); {keep}: free space or raise "
+        f"the limit, then rerun with --resume auto"
+    )
+
+
 def save_checkpoint(
-    accelerator, ckpt_root: Path, step: int, state: dict, keep_last: int, resumed_from: Path | None, finaliser: bool
+    accelerator,
+    ckpt_root: Path,
+    step: int,
+    state: dict,
+    keep_last: int,
+    resumed_from: Path | None,
+    finaliser: bool,
+    model_config,
 ) -> Path:
     """Every rank writes its shards into .tmp-step_N; once all have, the finaliser of each filesystem (see
-    first_process_on_disk) adds trainer_state.json, renames it to step_N, moves `latest` and prunes."""
+    first_process_on_disk) adds trainer_state.json, the model config and the manifest, renames it to step_N, moves
+    `latest` and prunes. Raises CheckpointWriteError, with step_N untouched, when the disk refuses a write."""
     final = ckpt_root / f"step_{step}"
     tmp = ckpt_root / f".tmp-step_{step}"
+    last_good = newest_intact_checkpoint(ckpt_root, lambda _: None) if finaliser else None
+    try:
+        if finaliser:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a run that died while writing this step
+            tmp.mkdir(parents=True, exist_ok=True)
+        accelerator.wait_for_everyone()
+        accelerator.save_state(str(tmp))
+        if finaliser and not accelerator.is_main_process:  # node-local disk: Accelerate saves these on rank 0 only
+            for i, obj in enumerate(accelerator._custom_objects):
+                torch.save(obj.state_dict(), tmp / f"custom_checkpoint_{i}.pkl")
+        for kind, sig in (("sigkill_in_save", signal.SIGKILL), ("sigterm_in_save", signal.SIGTERM)):
+            if injected_fault(kind, accelerator.process_index, step):
+                os.kill(os.getpid(), sig)
+        accelerator.wait_for_everyone()
+        if finaliser:
+            write_json_atomic(tmp / "trainer_state.json", state)
+            model_config.to_json_file(tmp / "model_config.json")
+            write_manifest(tmp)
+            replace_dir(tmp, final)  # a step_N of an earlier attempt at this step is replaced whole
+            write_atomic(ckpt_root / "latest", final.name + "\n")
+    except (OSError, RuntimeError) as e:  # torch reports a full disk as "basic_ios::clear: iostream error"
+        raise write_failure(tmp, e, last_good) from None
     if finaliser:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a run that died while writing this step
-        tmp.mkdir(parents=True, exist_ok=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    if injected_fault("sigkill_in_save", accelerator.process_index, step):
-        os.kill(os.getpid(), signal.SIGKILL)
-    accelerator.wait_for_everyone()
-    if finaliser:
-        write_json_atomic(tmp / "trainer_state.json", state)
-        replace_dir(tmp, final)  # a step_N of an earlier attempt at this step is replaced whole
-        write_atomic(ckpt_root / "latest", final.name + "\n")
-        for old in complete_checkpoints(ckpt_root)[:-keep_last]:
+        intact = [p for p in step_dirs(ckpt_root) if checkpoint_problem(p) is None]
+        for old in intact[:-keep_last]:
             if old != final and (resumed_from is None or old.resolve() != resumed_from.resolve()):
                 shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
 
 
-def truncate_metrics(metrics_path: Path, step: int) -> None:
-    """Lines logged after the checkpoint by the run that died would be logged again: drop them."""
-    kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] <= step]
-    write_atomic(metrics_path, "".join(line + "\n" for line in kept))
+def read_metrics(metrics_path: Path) -> tuple[list[dict], int]:
+    """The records of metrics.jsonl and the number of lines that are not one: a kill or a full disk while appending
+    tears the last line, which is dropped; no line is ever fatal."""
+    records, bad = [], 0
+    for line in metrics_path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
+                records.append(record)
+            elif line.strip():
+                bad += 1
+        except ValueError:
+            bad += 1
+    return records, bad
+
+
+def truncate_metrics(metrics_path: Path, step: int) -> int:
+    """Lines logged after the checkpoint by the run that died would be logged again: drop them, and any torn line.
+    Returns the number of torn lines dropped."""
+    records, bad = read_metrics(metrics_path)
+    write_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in records if r["step"] <= step))
+    return bad
 
 
 def export_final(accelerator, model, tokenizer, out_dir: Path) -> Path:

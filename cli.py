@@ -7,6 +7,7 @@
   new one, never a part.
 - quiet_console / without_noise / progress_bar: third-party start-up lines that carry no information are dropped,
   and progress bars show only on a terminal.
+- print_error: the one `error:` line a failed process leaves, seen in every kind of launch.
 - injected_fault: the crash tests' switch (TRAIN_TEST_FAULT), inert unless set.
 - exit_process: the end of a launched process (see its docstring for the crash it avoids).
 """
@@ -47,7 +48,8 @@ def given_fields(config_class, argv: list[str]) -> set[str]:
 
 def injected_fault(kind: str, rank: int, step: int) -> bool:
     """Fault injection for the crash tests, set with TRAIN_TEST_FAULT=kind:rank:step (sigterm_launcher, nan_loss,
-    sigkill_in_save). Real signals and real NaNs; nothing happens unless the variable names this exact point."""
+    sigkill_in_save, sigterm_in_save). Real signals and real NaNs; nothing happens unless the variable names this exact
+    point."""
     return os.environ.get("TRAIN_TEST_FAULT", "") == f"{kind}:{rank}:{step}"
 
 
@@ -141,6 +143,22 @@ def progress_bar(**kwargs):
 
     disable = kwargs.pop("disable", False) or not sys.stderr.isatty()
     return tqdm(**kwargs, disable=disable)
+
+
+def print_error(message: str) -> None:
+    """The one `error:` line on stderr. When one process fails, the launcher kills the others at once; so that the
+    line is printed exactly once and always, rank 0 prints at once and any other rank only if it is still alive a few
+    seconds later (rank 0 did not fail the same way, or is slower to)."""
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # train.py's stop handler must not outlive the launcher's kill
+        time.sleep(5)
+        message = f"(rank {dist.get_rank()}) {message}"
+    print(f"error: {message}", file=sys.stderr, flush=True)
 
 
 def exit_process(code: int) -> None:

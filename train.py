@@ -150,6 +150,10 @@ def fp16_loss_scale(engine, scaler) -> float | None:
     return None
 
 
+def any_process(accelerator, flag: bool) -> bool:
+    return bool(accelerator.reduce(torch.tensor([float(flag)], device=accelerator.device), "sum") > 0)
+
+
 def plot_losses(metrics_path: Path, png_path: Path) -> None:
     """The loss curve; for a MoE model, a second panel with the expert-load imbalance (MaxVio) and the balance loss."""
     import matplotlib
@@ -157,7 +161,7 @@ def plot_losses(metrics_path: Path, png_path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    records, _ = checkpoint.read_metrics(metrics_path)
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     balance = [r for r in records if "moe_maxvio_max" in r]
@@ -193,8 +197,9 @@ def plot_losses(metrics_path: Path, png_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def validate(cfg: Config) -> lmdata.TrainingData:
-    """Check the flags and the data directory; returns the data, memory-mapped once for the whole run."""
+def validate(cfg: Config, resuming: bool):
+    """Check the flags and the data directory; returns the data, memory-mapped once for the whole run, and its
+    tokenizer. A resumed run needs nothing from --init_from: its weights are in the checkpoint."""
     for name in ("seq_len", "micro_batch_size", "log_every", "keep_last"):
         if getattr(cfg, name) < 1:
             raise UserError(f"--{name} {getattr(cfg, name)} must be at least 1")
@@ -209,14 +214,46 @@ def validate(cfg: Config) -> lmdata.TrainingData:
         raise UserError(f"--lr {cfg.lr} must be positive and --min_lr_ratio {cfg.min_lr_ratio} within [0, 1]")
     if cfg.attn_implementation not in ("sdpa", "eager"):
         raise UserError(f"--attn_implementation {cfg.attn_implementation!r} must be sdpa or eager")
-    if cfg.init_from and not (Path(cfg.init_from) / "config.json").is_file():
+    if cfg.init_from and not resuming and not (Path(cfg.init_from) / "config.json").is_file():
         raise UserError(f"--init_from {cfg.init_from} is not a Hugging Face model directory (no config.json)")
     if 0 < cfg.eval_tokens < cfg.seq_len:
         raise UserError(
             f"--eval_tokens {cfg.eval_tokens} is less than one validation window of --seq_len "
             f"{cfg.seq_len} tokens; raise it, or 0 for the whole validation split"
         )
-    return lmdata.training_data(cfg.data_dir, cfg.seq_len, cfg.eval_tokens)
+    data = lmdata.training_data(cfg.data_dir, cfg.seq_len, cfg.eval_tokens)
+    tokenizer = load_tokenizer(Path(cfg.data_dir) / "tokenizer", "rebuild the data with prepare_data.py --overwrite")
+    if cfg.init_from and not resuming:
+        check_same_tokenizer(cfg.init_from, tokenizer, data.meta["eos_id"])
+    return data, tokenizer
+
+
+def load_tokenizer(directory: Path, fix: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(directory)
+    except Exception as e:  # noqa: BLE001 - a missing, torn or foreign tokenizer file: many exception types
+        raise UserError(f"{directory} holds no readable tokenizer ({type(e).__name__}); {fix}") from None
+
+
+def check_same_tokenizer(model_dir: str, ours, data_eos_id: int) -> None:
+    """--init_from must have been trained on the ids the data holds: the same vocabulary (token -> id), the same
+    encoding of a probe text and the same EOS id. A vocabulary size alone says nothing (two 512-token BPEs agree)."""
+    theirs = load_tokenizer(
+        Path(model_dir), "nothing shows --init_from was trained on the data's ids: copy its tokenizer into it"
+    )
+    probe = "The tokenizer probe: naïve café, 1234 + x**2\n\n\tdef f(): return 'ok'"
+    if theirs.get_vocab() != ours.get_vocab() or theirs.encode(probe) != ours.encode(probe):
+        raise UserError(
+            f"--init_from {model_dir} was trained with another tokenizer than the data's (vocabularies "
+            f"or encodings differ); prepare the data with prepare_data.py --tokenizer {model_dir}"
+        )
+    if theirs.eos_token_id != data_eos_id:
+        raise UserError(
+            f"--init_from {model_dir} has EOS id {theirs.eos_token_id}, the data {data_eos_id}; prepare the data "
+            f"with prepare_data.py --tokenizer {model_dir}"
+        )
 
 
 @dataclasses.dataclass
@@ -233,6 +270,7 @@ class Run:
     identity: dict  # what a checkpoint must match to be resumed by this run
     resume_from: Path | None
     resume_state: dict | None
+    tokenizer: object  # the data's, saved with the final model
 
     def state_at(self, step: int) -> dict:
         """trainer_state.json of the checkpoint at `step`."""
@@ -274,13 +312,16 @@ def plan_run(cfg: Config, given: set[str], accelerator) -> Run:
     """Every start-up check, in the order a user would fix them; nothing is written yet."""
     checkpoint.check_output_dir(cfg.output_dir, cfg.resume)
     resume_from = checkpoint.find_resume_checkpoint(cfg.resume, Path(cfg.output_dir) / "checkpoints", accelerator)
-    resume_state = json.loads((resume_from / "trainer_state.json").read_text()) if resume_from else None
+    resume_state = checkpoint.read_trainer_state(resume_from) if resume_from else None
     if resume_state is not None:
         cfg, taken = checkpoint.config_for_resume(cfg, given, resume_state.get("config", {}))
         if taken:
             accelerator.print(f"settings from {resume_from.name}: " + " ".join(f"--{k} {v}" for k, v in taken.items()))
-    data = validate(cfg)
-    model_config = plan.load_model_config(cfg.model_config, cfg.init_from, cfg.seq_len, data.meta)
+    data, tokenizer = validate(cfg, resuming=resume_state is not None)
+    if resume_state is not None and (resume_from / "model_config.json").is_file():
+        model_config = checkpoint.read_model_config(resume_from)  # not --init_from's, which may have moved
+    else:
+        model_config = plan.load_model_config(cfg.model_config, cfg.init_from, cfg.seq_len, data.meta)
     launch = plan.live_launch(accelerator)
     batch = plan.batch_plan(cfg.micro_batch_size, launch.grad_accum_steps, launch.world_size, cfg.seq_len)
     total_steps = plan.total_steps_for(cfg.max_steps, cfg.num_epochs, data.n_windows, batch["sequences_per_step"])
@@ -292,6 +333,7 @@ def plan_run(cfg: Config, given: set[str], accelerator) -> Run:
         "seed": cfg.seed,
         "data_fingerprint": data.meta["fingerprint"],
         "model_config_hash": checkpoint.config_hash(model_config),
+        "precision": launch.precision,
     }
     if resume_state is not None:
         checkpoint.check_resume_compatible(resume_state, identity, resume_from)
@@ -314,6 +356,7 @@ def plan_run(cfg: Config, given: set[str], accelerator) -> Run:
         identity,
         resume_from,
         resume_state,
+        tokenizer,
     )
 
 
@@ -342,12 +385,12 @@ def check_memory_plan(run: Run, accelerator, peak_flops: float) -> None:
 def build_model(run: Run, accelerator):
     """The model under ZeRO-3 (each parameter partitioned as it is created), its optimizer and the tokenizer."""
     from accelerate.utils import set_seed
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     cfg = run.cfg
     set_seed(cfg.seed)
     model_kwargs = {"attn_implementation": cfg.attn_implementation, "dtype": torch.float32}
-    if cfg.init_from:
+    if cfg.init_from and run.resume_state is None:  # a resumed fine-tune's weights come from its checkpoint
         model = AutoModelForCausalLM.from_pretrained(cfg.init_from, **model_kwargs)
     else:
         model = AutoModelForCausalLM.from_config(run.model_config, **model_kwargs)
@@ -367,8 +410,31 @@ def build_model(run: Run, accelerator):
     if moe.routers(accelerator.unwrap_model(model)):
         balancer = moe.LoadBalancer(accelerator.unwrap_model(model), cfg.moe_bias_update_speed, cfg.moe_aux_loss_alpha)
         accelerator.register_for_checkpointing(balancer)  # the routers' biases resume exactly
-    tokenizer = AutoTokenizer.from_pretrained(Path(cfg.data_dir) / "tokenizer")
-    return model, optimizer, balancer, tokenizer, n_params
+    return model, optimizer, balancer, run.tokenizer, n_params
+
+
+def load_checkpoint(accelerator, run: Run, finaliser: bool) -> None:
+    """Load the checkpoint to resume from; only once it has loaded does an explicit --resume from an older checkpoint
+    move the newer ones aside, so a failed load leaves the run's checkpoints as they were."""
+    try:
+        accelerator.load_state(str(run.resume_from))
+    except Exception as e:  # noqa: BLE001 - DeepSpeed and torch raise many kinds for one damaged file
+        raise UserError(
+            f"cannot load checkpoint {run.resume_from}: {type(e).__name__}: {str(e).splitlines()[0][:300]}; "
+            f"resume from an older checkpoint with --resume {run.resume_from.parent}/step_N"
+        ) from None
+    ckpt_root = Path(run.cfg.output_dir) / "checkpoints"
+    if run.cfg.resume != "auto" and finaliser:
+        aside = checkpoint.set_aside_newer(ckpt_root, run.resume_from)
+        if aside is not None:
+            print(
+                f"moved the checkpoints after {run.resume_from.name} to {aside}: this run continues from "
+                f"{run.resume_from.name}"
+            )
+    accelerator.print(
+        f"resumed from {run.resume_from} at step {run.resume_state['step']} "
+        f"({run.resume_state['tokens_seen']:,} tokens seen)"
+    )
 
 
 def setup(cfg: Config, given: set[str]):
@@ -388,16 +454,15 @@ def setup(cfg: Config, given: set[str]):
     peak_flops, peak_source = plan.measure_peak_flops(accelerator, launch.precision)
     check_memory_plan(run, accelerator, peak_flops)
 
-    # Past every start-up check: from here on the run writes to OUT.
+    # Past every start-up check: from here on the run writes to OUT, starting with the marker that makes it ours.
     out, ckpt_root = Path(cfg.output_dir), Path(cfg.output_dir) / "checkpoints"
+    if accelerator.is_local_main_process:
+        checkpoint.mark_train_run(out)
     finaliser = checkpoint.first_process_on_disk(accelerator, ckpt_root)
-    if run.resume_from is not None and cfg.resume != "auto" and finaliser:
-        aside = checkpoint.set_aside_newer(ckpt_root, run.resume_from)
-        if aside is not None:
-            print(
-                f"moved the checkpoints after {run.resume_from.name} to {aside}: this run continues from "
-                f"{run.resume_from.name}"
-            )
+    if finaliser:
+        removed = checkpoint.remove_leftovers(ckpt_root, finished=False)
+        if removed:
+            print(f"removed what earlier runs left unfinished in {ckpt_root}: {', '.join(removed)}")
     accelerator.wait_for_everyone()
     mem_before_model_gib = plan.peak_memory_gib(accelerator.device)  # the baseline the plan's estimate adds to
     model, optimizer, balancer, tokenizer, n_params = build_model(run, accelerator)
@@ -409,15 +474,12 @@ def setup(cfg: Config, given: set[str]):
         f"peak {peak_flops / 1e12:.2f} TFLOP/s ({peak_source})"
     )
     if run.resume_state is not None:
-        accelerator.load_state(str(run.resume_from))
-        accelerator.print(
-            f"resumed from {run.resume_from} at step {run.resume_state['step']} "
-            f"({run.resume_state['tokens_seen']:,} tokens seen)"
-        )
+        load_checkpoint(accelerator, run, finaliser)
     if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
         if run.resume_state is not None and (out / "metrics.jsonl").exists():
-            checkpoint.truncate_metrics(out / "metrics.jsonl", run.resume_state["step"])
+            torn = checkpoint.truncate_metrics(out / "metrics.jsonl", run.resume_state["step"])
+            if torn:
+                print(f"warning: dropped {torn} torn line(s) of {out / 'metrics.jsonl'} (a write cut short)")
         else:
             cli.write_atomic(out / "metrics.jsonl", "")
         cli.write_json_atomic(
@@ -575,13 +637,9 @@ def train(cfg: Config, given: set[str]) -> int:
     interval = {"steps": 0, "loss_sum": 0.0, "t0": time.perf_counter()}
     while step < run.total_steps:
         lr = plan.lr_at(step, cfg.lr, cfg.warmup_steps, cfg.lr_decay_steps or run.total_steps, cfg.min_lr_ratio)
-        try:
-            loss, grad_norm, stop_requested = optimizer_step(
-                model, optimizer, balancer, accelerator, run, step, lr, bool(stop_signal)
-            )
-        except Diverged as e:
-            accelerator.print(f"error: {e}")
-            return 3
+        loss, grad_norm, stop_requested = optimizer_step(
+            model, optimizer, balancer, accelerator, run, step, lr, bool(stop_signal)
+        )
         skipped_here += int(engine is None and accelerator.optimizer_step_was_skipped)
         step += 1
         interval["steps"] += 1
@@ -601,11 +659,14 @@ def train(cfg: Config, given: set[str]) -> int:
             validate_at(step)
         if (cfg.save_every and step % cfg.save_every == 0) or step == run.total_steps or stop_requested:
             saved = checkpoint.save_checkpoint(
-                accelerator, ckpt_root, step, run.state_at(step), cfg.keep_last, run.resume_from, finaliser
-            )
+                accelerator, ckpt_root, step, run.state_at(step), cfg.keep_last, run.resume_from, finaliser,
+                run.model_config,
+            )  # fmt: skip
             accelerator.print(f"saved {saved}")
+            # A signal that came while the checkpoint was written stops the run now, not one step and checkpoint later.
+            stop_requested = stop_requested or any_process(accelerator, bool(stop_signal))
         interval["t0"] += time.perf_counter() - pause_t0  # throughput counts training time only
-        if stop_requested:
+        if stop_requested and step < run.total_steps:
             bar.close()
             accelerator.print(
                 f"stopped by signal after step {step}; the same command with --resume auto continues "
@@ -614,13 +675,17 @@ def train(cfg: Config, given: set[str]) -> int:
             accelerator.end_training()
             return 0
     bar.close()
-    finish(accelerator, model, tokenizer, out)
+    finish(accelerator, model, tokenizer, out, finaliser)
     return 0
 
 
-def finish(accelerator, model, tokenizer, out: Path) -> None:
+def finish(accelerator, model, tokenizer, out: Path, finaliser: bool) -> None:
     """After the last step's checkpoint: OUT/final and the loss curve."""
     final = checkpoint.export_final(accelerator, model, tokenizer, out)
+    if finaliser:
+        removed = checkpoint.remove_leftovers(out / "checkpoints", finished=True)
+        if removed:
+            print(f"removed from {out / 'checkpoints'}, no longer needed by the finished run: {', '.join(removed)}")
     if accelerator.is_main_process:
         plot_losses(out / "metrics.jsonl", out / "loss_curve.png")
         accelerator.print(
@@ -636,7 +701,7 @@ def run_plan(cfg: Config) -> int:
         meta = lmdata.read_meta(cfg.data_dir) if (Path(cfg.data_dir) / "meta.json").is_file() else None
         model_config = plan.load_model_config(cfg.model_config, cfg.init_from, cfg.seq_len, meta)
     except (OSError, KeyError, UserError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        cli.print_error(str(e))
         return 2
     peak = plan.GPU_PEAK_FLOPS["RTX 4090"] if launch.gpu else 0.1e12  # the target card; a CPU core at ~100 GFLOP/s
     batch = plan.batch_plan(cfg.micro_batch_size, launch.grad_accum_steps, launch.world_size, cfg.seq_len)
@@ -656,9 +721,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return train(cfg, cli.given_fields(Config, argv))
     except UserError as e:  # raised by setup, before anything is written; the same on every process
-        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-            print(f"error: {e}")
+        cli.print_error(str(e))
         return 2
+    except (Diverged, checkpoint.CheckpointWriteError) as e:  # the last complete checkpoint is intact
+        cli.print_error(str(e))
+        return 3
 
 
 if __name__ == "__main__":

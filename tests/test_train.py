@@ -187,7 +187,7 @@ def test_nan_loss_stops_without_writing(docs_data, tmp_path):
         env={"TRAIN_TEST_FAULT": "nan_loss:0:3"},
     )
     assert proc.returncode != 0
-    assert "step 3: loss nan" in proc.stdout and "not finite" in proc.stdout
+    assert "step 3: loss nan" in proc.stderr and "not finite" in proc.stderr
     ckpts = out / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_2"] and not (out / "final").exists()
     state = get_fp32_state_dict_from_zero_checkpoint(str(ckpts / "step_2"))
@@ -212,7 +212,7 @@ def test_resume_with_other_world_size_is_refused(ref, docs_data):
         check=False,
     )
     assert proc.returncode != 0
-    assert "world_size=3" in proc.stdout and "world_size=1" in proc.stdout
+    assert "world_size=3" in proc.stderr and "world_size=1" in proc.stderr
     assert (out / "metrics.jsonl").read_text() == before
 
 
@@ -280,7 +280,7 @@ def test_startup_errors(docs_data, tmp_path, case):
     before = sorted(p.name for p in tmp_path.rglob("*"))
     proc = run([sys.executable, "train.py", "--model_config", "tiny", *args], check=False)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    errors = [l for l in proc.stdout.splitlines() if l.startswith("error:")]
+    errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     assert sorted(p.name for p in tmp_path.rglob("*")) == before  # nothing written
@@ -356,9 +356,9 @@ def test_torchrun_without_accelerate_use_cpu_is_refused(docs_data, tmp_path):
     ]
     proc = run(cmd, check=False, env={"ACCELERATE_USE_CPU": "0"})
     assert proc.returncode != 0
-    errors = [l for l in proc.stdout.splitlines() if l.startswith("error:")]
+    errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
     assert len(errors) == 1 and "2 processes were started" in errors[0] and "ACCELERATE_USE_CPU=1" in errors[0], (
-        proc.stdout
+        proc.stderr
     )
     assert not out.exists()
 

@@ -1,0 +1,262 @@
+"""A run's directory under damage (issue #20): train.py writes only into directories it created, resumes from the newest
+checkpoint that verifies, treats torn and foreign files as what they are, and says in one `error:` line why it stops.
+
+Most cases run `python train.py` in one process (no launcher, seconds per run): what they prove is the checkpoint and
+directory handling, which is the same code under `accelerate launch`. The node-local MoE resume is in
+test_multinode.py and the multi-process refusal here launches 2 processes.
+"""
+
+import hashlib
+import json
+import os
+import re
+import resource
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY, launch, run, train_records
+
+RUN = [*TINY, "--micro_batch_size", "2", "--max_steps", "4", "--save_every", "2"]
+
+
+def train(*args, check=True, env=None, **kw):
+    return run([sys.executable, "train.py", *map(str, args)], check=check, env=env, **kw)
+
+
+def tree(root: Path) -> dict[str, str]:
+    """Every file under root with a hash of its bytes: what "nothing changed" is checked against."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(Path(root).rglob("*"))
+        if p.is_file()
+    }
+
+
+def errors(proc) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+
+
+def assert_refused(proc, code: int | None, *needles: str) -> str:
+    """Exit `code` (None: any failure, as `accelerate launch` reports it) and one `error:` line holding `needles`; no
+    traceback of ours (the launcher prints its own after a worker fails)."""
+    assert proc.returncode == code if code is not None else proc.returncode != 0, proc.stdout[-3000:] + proc.stderr
+    lines = errors(proc)
+    assert len(lines) == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    if code is not None:
+        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def done_run(docs_data, tmp_path_factory) -> Path:
+    """A finished 4-step run (checkpoints at steps 2 and 4, final/), in one process."""
+    out = tmp_path_factory.mktemp("done") / "out"
+    train(*RUN, "--data_dir", docs_data, "--output_dir", out)
+    return out
+
+
+def copy_run(done_run: Path, tmp_path: Path, keep_step_4: bool = False) -> Path:
+    """A copy of the finished run; without step_4 and final/ it is a run stopped after its step-2 checkpoint."""
+    out = tmp_path / "out"
+    shutil.copytree(done_run, out, symlinks=True)
+    if not keep_step_4:
+        shutil.rmtree(out / "checkpoints" / "step_4")
+        shutil.rmtree(out / "final")
+        (out / "checkpoints" / "latest").write_text("step_2\n")
+    return out
+
+
+def test_resume_refuses_a_directory_train_py_did_not_write(docs_data, tmp_path):
+    """Case 1: a folder with a `checkpoints/` of someone else's was taken for a run, its config.json replaced and its
+    final/ deleted."""
+    foreign = tmp_path / "U"
+    (foreign / "checkpoints" / "ckpt-500").mkdir(parents=True)
+    (foreign / "checkpoints" / "ckpt-500" / "weights.bin").write_bytes(b"\0" * 64)
+    (foreign / "config.json").write_text('{"mine": true}\n')
+    (foreign / "final").mkdir()
+    (foreign / "final" / "important.txt").write_text("do not delete\n")
+    before = tree(foreign)
+    proc = train(*RUN, "--data_dir", docs_data, "--output_dir", foreign, "--resume", "auto", check=False)
+    assert_refused(proc, 2, "no train.py run", "checkpoints/", "config.json", "final/")
+    assert tree(foreign) == before
+
+
+def test_resume_auto_survives_what_a_crash_and_a_user_leave(done_run, docs_data, tmp_path):
+    """Cases 8, 10, 11, 15 in one resume: a torn last metrics line, a user's backup folder in checkpoints/, a newest
+    checkpoint with a truncated shard, leftovers of crashed saves. The run resumes from the newest intact checkpoint,
+    says what it skipped and removed, leaves the user's folder alone, and trains the same steps as the straight run."""
+    out = copy_run(done_run, tmp_path, keep_step_4=True)
+    ckpts = out / "checkpoints"
+    shutil.rmtree(out / "final")
+    shard = next(p for p in (ckpts / "step_4").iterdir() if p.name == "optimizer.bin")
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    shutil.copytree(ckpts / "step_2", ckpts / "step_2.bak")
+    backup = tree(ckpts / "step_2.bak")
+    (ckpts / ".tmp-step_6").mkdir()
+    (ckpts / ".step_2.stale").mkdir()
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "loss": 6.1')  # the last line, cut short
+    proc = train("--output_dir", out, "--resume", "auto")
+    assert f"skipping checkpoint {ckpts / 'step_4'}: optimizer.bin has" in proc.stdout, proc.stdout
+    assert f"resumed from {ckpts / 'step_2'} at step 2" in proc.stdout
+    assert "dropped 1 torn line" in proc.stdout
+    assert re.search(r"removed what earlier runs left unfinished in .*: \.step_2\.stale, \.tmp-step_6", proc.stdout)
+    assert tree(ckpts / "step_2.bak") == backup
+    assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_")) == ["step_2", "step_2.bak", "step_4"]
+    a, b = train_records(done_run), train_records(out)
+    assert sorted(b) == [1, 2, 3, 4]
+    for step in (3, 4):
+        assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-6)
+    assert (out / "final" / "model.safetensors").is_file() and (out / "loss_curve.png").is_file()
+
+
+def test_explicit_resume_changes_nothing_until_the_load_succeeds(done_run, tmp_path):
+    """Case 12: a checkpoint whose files are whole but whose contents are not (here: the optimizer state overwritten
+    with zeros of the same size) fails to load; the newer checkpoints stay where they were and `latest` unchanged."""
+    out = copy_run(done_run, tmp_path, keep_step_4=True)
+    ckpts = out / "checkpoints"
+    bad = ckpts / "step_2" / "optimizer.bin"
+    bad.write_bytes(b"\0" * bad.stat().st_size)
+    before = tree(out)
+    proc = train("--output_dir", out, "--resume", ckpts / "step_2", check=False)
+    assert_refused(proc, 2, f"cannot load checkpoint {ckpts / 'step_2'}")
+    assert tree(out) == before
+    assert not list(ckpts.glob("abandoned-*"))
+
+
+def test_explicit_resume_of_a_damaged_checkpoint_is_refused(done_run, tmp_path):
+    out = copy_run(done_run, tmp_path, keep_step_4=True)
+    ckpts = out / "checkpoints"
+    (ckpts / "step_4" / "random_states_0.pkl").unlink()
+    proc = train("--output_dir", out, "--resume", ckpts / "step_4", check=False)
+    assert_refused(proc, 2, "random_states_0.pkl is missing", f"resume from {ckpts / 'step_2'}")
+
+
+def test_fine_tune_resumes_without_its_source(done_run, docs_data, tmp_path):
+    """Case 9: a resumed --init_from run takes its weights and model config from the checkpoint, so it resumes after
+    the source directory moved."""
+    source = tmp_path / "source"
+    shutil.copytree(done_run / "final", source)
+    tuned = tmp_path / "tuned"
+    train(*RUN, "--data_dir", docs_data, "--init_from", source, "--output_dir", tuned)
+    straight = train_records(tuned)
+    shutil.rmtree(tuned / "checkpoints" / "step_4")
+    shutil.rmtree(tuned / "final")
+    source.rename(tmp_path / "moved")
+    proc = train("--output_dir", tuned, "--resume", "auto")
+    assert "resumed from" in proc.stdout
+    for step in (3, 4):
+        assert train_records(tuned)[step]["loss"] == pytest.approx(straight[step]["loss"], rel=1e-6)
+
+
+def test_init_from_refuses_another_tokenizer_of_the_same_size(done_run, tmp_path):
+    """Case 3: a model trained on one 512-token BPE must not fine-tune on another 512-token BPE's ids."""
+    corpus = tmp_path / "other.txt"
+    corpus.write_text("\n\n".join(f"Document {i}: " + "lorem ipsum dolor sit amet " * (20 + i % 7) for i in range(300)))
+    other = tmp_path / "other-data"
+    run([sys.executable, "prepare_data.py", "--dataset", corpus, "--doc_separator", "blank_line", "--tokenizer",
+         "bpe:512", "--output_dir", other])  # fmt: skip
+    out = tmp_path / "out"
+    proc = train(*RUN, "--data_dir", other, "--init_from", done_run / "final", "--output_dir", out, check=False)
+    assert_refused(proc, 2, f"--init_from {done_run / 'final'} was trained with another tokenizer")
+    assert not out.exists()
+
+
+def test_resume_in_another_precision_is_refused(done_run, tmp_path):
+    """Case 13: an fp32 checkpoint resumed in bf16 died inside DeepSpeed looking for bf16 files."""
+    out = copy_run(done_run, tmp_path)
+    before = tree(out)
+    proc = train("--output_dir", out, "--resume", "auto", check=False, env={"ACCELERATE_MIXED_PRECISION": "bf16"})
+    assert_refused(proc, 2, "precision='fp32'", "precision='bf16'")
+    assert tree(out) == before
+
+
+def limit_file_size(n_bytes: int):
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (n_bytes, n_bytes))
+
+
+def test_a_failed_checkpoint_write_names_the_path_and_keeps_the_last_checkpoint(docs_data, tmp_path):
+    """Case 14: with `ulimit -f` (as a full disk would) the optimizer state cannot be written; the message names the
+    checkpoint being written and the limit, and the previous checkpoint is the newest complete one."""
+    out = tmp_path / "out"
+    # Big enough for metrics, configs and the weights (0.67 MB), too small for the optimizer state (1.35 MB).
+    proc = train(*RUN, "--data_dir", docs_data, "--output_dir", out, check=False, preexec_fn=limit_file_size(1_000_000))
+    line = assert_refused(proc, 3, f"writing checkpoint {out / 'checkpoints' / '.tmp-step_2'} failed", "ulimit -f")
+    assert "no earlier checkpoint exists" in line
+    assert not (out / "checkpoints" / "step_2").exists() and not (out / "final").exists()
+
+
+def test_sigterm_while_saving_stops_after_that_checkpoint(docs_data, tmp_path):
+    """Case 16: a stop signal that arrives while a checkpoint is written ends the run after it, not after one more step
+    and a second checkpoint."""
+    out = tmp_path / "out"
+    proc = train(*RUN, "--data_dir", docs_data, "--output_dir", out, env={"TRAIN_TEST_FAULT": "sigterm_in_save:0:2"})
+    assert "stopped by signal after step 2" in proc.stdout, proc.stdout[-2000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_2"]
+    assert max(train_records(out)) == 2
+
+
+def test_setup_error_reaches_the_user_in_a_multi_process_launch(done_run, tmp_path):
+    """Case 17: both ranks refuse a 1-process checkpoint; whichever exits first, exactly one `error:` line is printed
+    (the launcher used to kill rank 0 before it printed)."""
+    out = copy_run(done_run, tmp_path)
+    proc = launch(2, "--output_dir", out, "--resume", "auto", check=False)
+    assert_refused(proc, None, "world_size=1", "world_size=2")
+
+
+@pytest.mark.parametrize("damage", ["torn", "not an object", "empty"])
+def test_damaged_trainer_state_is_skipped_or_refused(done_run, tmp_path, damage):
+    """A trainer_state.json cut short or replaced: --resume auto skips that checkpoint, an explicit --resume refuses."""
+    out = copy_run(done_run, tmp_path, keep_step_4=True)
+    shutil.rmtree(out / "final")
+    state = out / "checkpoints" / "step_4" / "trainer_state.json"
+    state.write_text({"torn": state.read_text()[:40], "not an object": "[1, 2]", "empty": ""}[damage])
+    proc = train("--output_dir", out, "--resume", state.parent, check=False)
+    assert_refused(proc, 2, f"cannot resume {state.parent}", "trainer_state.json")
+    proc = train("--output_dir", out, "--resume", "auto")
+    assert "resumed from" in proc.stdout and "step_2 at step 2" in proc.stdout
+
+
+def test_output_dir_that_is_a_file(docs_data, tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("mine\n")
+    proc = train(*RUN, "--data_dir", docs_data, "--output_dir", a_file, check=False)
+    assert_refused(proc, 2, f"--output_dir {a_file} is a file")
+    assert a_file.read_text() == "mine\n"
+
+
+def test_metrics_reader_drops_a_torn_last_line(tmp_path):
+    import checkpoint
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
+    records, bad = checkpoint.read_metrics(path)
+    assert [r["step"] for r in records] == [1, 2] and bad == 1
+    assert checkpoint.truncate_metrics(path, 1) == 1
+    assert json.loads(path.read_text()) == {"step": 1, "loss": 2.0}
+
+
+def test_stray_names_in_checkpoints_are_never_parsed(tmp_path):
+    import checkpoint
+
+    for name in ("step_2", "step_10", "step_2.bak", "step_x", "abandoned-1", "step_3"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "step_4").write_text("a file")
+    assert [p.name for p in checkpoint.step_dirs(tmp_path)] == ["step_2", "step_3", "step_10"]
+    assert os.listdir(tmp_path)  # nothing removed
+
+
+def test_damaged_data_tokenizer_is_refused_before_the_model_is_built(docs_data, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(docs_data, data)
+    tok = data / "tokenizer" / "tokenizer.json"
+    tok.write_text(tok.read_text()[:100])
+    out = tmp_path / "out"
+    proc = train(*RUN, "--data_dir", data, "--output_dir", out, check=False)
+    assert_refused(proc, 2, f"{data / 'tokenizer'} holds no readable tokenizer")
+    assert not out.exists()
