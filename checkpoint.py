@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
+import plan
 from cli import UserError, injected_fault, replace_dir, write_atomic, write_json_atomic
-from plan import lr_at
 
 # Settings that change what a run reports or where it reads and writes, not what it trains: free to change on resume.
 RESUME_CHANGEABLE = {
@@ -141,8 +141,8 @@ def schedule_on_resume(cfg, given: set[str], total_steps: int, state: dict) -> s
     if new_len == old_len:
         return None
     step = state["step"]
-    old_lr = lr_at(step, cfg.lr, cfg.warmup_steps, old_len, cfg.min_lr_ratio)
-    new_lr = lr_at(step, cfg.lr, cfg.warmup_steps, new_len, cfg.min_lr_ratio)
+    old_lr = plan.lr_at(step, cfg.lr, cfg.warmup_steps, old_len, cfg.min_lr_ratio)
+    new_lr = plan.lr_at(step, cfg.lr, cfg.warmup_steps, new_len, cfg.min_lr_ratio)
     if "lr_decay_steps" not in given:
         raise UserError(
             f"cannot resume: this command makes the LR schedule {new_len} steps long, the run's is "
@@ -166,10 +166,10 @@ def config_hash(model_config) -> str:
 
 def read_model_config(ckpt: Path):
     """The model config a checkpoint was trained with (saved beside its shards): a resume needs nothing else."""
-    from transformers import AutoConfig
-
-    d = json.loads((ckpt / "model_config.json").read_text())
-    return AutoConfig.for_model(d.pop("model_type"), **d)
+    where = str(ckpt / "model_config.json")
+    d = plan.read_config_json(ckpt / "model_config.json", where)
+    plan.check_model_fields(d, where)
+    return plan.build_model_config(d, where)
 
 
 def check_resume_compatible(state: dict, current: dict, ckpt: Path) -> None:
@@ -300,10 +300,10 @@ def find_resume_checkpoint(resume: str, ckpt_root: Path, accelerator) -> Path | 
     return chosen
 
 
-def set_aside_newer(ckpt_root: Path, resume_from: Path) -> Path | None:
+def set_aside_newer(ckpt_root: Path, resume_from: Path) -> str | None:
     """An explicit --resume from an older checkpoint starts a new branch: the checkpoints after it move to
-    checkpoints/abandoned-<time>/ (kept, but out of pruning's and --resume auto's way) and `latest` names
-    resume_from. Called only once resume_from has loaded."""
+    checkpoints/abandoned-<time>/ (kept until the run finishes, out of pruning's and --resume auto's way) and `latest`
+    names resume_from. Called only once resume_from has loaded. Returns a line saying what moved where."""
     if not ckpt_root.is_dir() or resume_from.parent.resolve() != ckpt_root.resolve():
         return None
     newer = [p for p in step_dirs(ckpt_root) if step_of(p) > step_of(resume_from)]
@@ -314,7 +314,10 @@ def set_aside_newer(ckpt_root: Path, resume_from: Path) -> Path | None:
     for p in newer:
         os.replace(p, aside / p.name)
     write_atomic(ckpt_root / "latest", resume_from.name + "\n")
-    return aside
+    return (
+        f"moved the checkpoints after {resume_from.name} ({', '.join(p.name for p in newer)}) to {aside}: this run "
+        f"continues from {resume_from.name}"
+    )
 
 
 def remove_leftovers(ckpt_root: Path, finished: bool) -> list[str]:

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import math
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,6 +33,7 @@ import torch
 
 import cli
 import lmdata
+import plan
 from cli import UserError, field, write_json_atomic
 from lmloss import make_windows, score_windows
 
@@ -59,6 +62,10 @@ class Config:
 # lm-evaluation-harness's `wikitext` task: its dataset (one row per page) and the text transform it scores.
 HARNESS_WIKITEXT = "EleutherAI/wikitext_document_level"
 HARNESS_TRANSFORM = "lm-eval wikitext_detokenizer"
+# The JSON files of a model or tokenizer directory that loading reads. transformers' errors on a damaged one name
+# neither the file nor the position (a torn tokenizer.json) or are tracebacks (a config.json holding a list).
+MODEL_JSON_FILES = ("config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
+                    "special_tokens_map.json", "added_tokens.json")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -192,28 +199,85 @@ def load_documents(cfg: Config) -> tuple[list[str], list[str], str]:
     return docs, docs, "none"
 
 
+def check_model_files(flag: str, name: str) -> None:
+    """Refuse a local model or tokenizer directory that is missing or holds a damaged file, naming the file, before
+    transformers reads it. A Hub id (no such directory) passes, when the Hub can be reached."""
+    path = Path(name).expanduser()
+    if not path.exists():
+        offline = lmdata.hub_unreachable_reason()
+        if offline:
+            raise UserError(f"{flag} {name} is not a local directory and {offline}")
+        return
+    if flag == "--model" and not (path / "config.json").is_file():
+        raise UserError(
+            f"--model {name} is not a model directory (no config.json); pass e.g. the OUT/final directory that "
+            "train.py writes"
+        )
+    if not path.is_dir():
+        raise UserError(f"{flag} {name} is a file; pass the directory that holds it")
+    for json_name in MODEL_JSON_FILES:
+        if (path / json_name).is_file():
+            plan.read_config_json(path / json_name, f"{flag} {name}: {json_name}")
+    if flag != "--model":
+        return
+    plan.check_weight_files(path, f"--model {name}")
+
+
+def no_load_report(record: logging.LogRecord) -> bool:
+    return "LOAD REPORT" not in record.getMessage()
+
+
+def check_weights_match_config(name: str, loading: dict) -> None:
+    """Refuse a model whose weights and config.json disagree: transformers would initialise what is missing or of
+    another shape at random, and drop what the config has no place for, and the perplexity would be another model's."""
+    problems = [
+        f"{len(keys)} {what} (e.g. {', '.join(str(k) for k in sorted(keys)[:2])})"
+        for keys, what in (
+            (loading["missing_keys"], "tensors missing from the weights"),
+            ([k for k, *_ in loading["mismatched_keys"]], "tensors of another shape than the config says"),
+            (loading["unexpected_keys"], "tensors the config has no place for"),
+        )
+        if keys
+    ]
+    if problems:
+        raise UserError(
+            f"--model {name}: its config.json and its weights do not belong together: {'; '.join(problems)}; "
+            "restore the config.json saved with the weights"
+        )
+
+
 def load_model(cfg: Config, device: torch.device):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = Path(cfg.model).expanduser()
-    if path.exists() and not (path / "config.json").is_file():
-        raise UserError(
-            f"--model {cfg.model} is not a model directory (no config.json); pass e.g. the OUT/final directory that "
-            "train.py writes"
-        )
-    offline = None if path.exists() else lmdata.hub_unreachable_reason()
-    if offline:
-        raise UserError(f"--model {cfg.model} is not a local directory and {offline}")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.dtype)
     if cfg.dtype == "auto":
         dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
     if dtype is None:
         raise UserError(f"--dtype {cfg.dtype} must be one of float32, bfloat16, float16, auto")
+    check_model_files("--model", cfg.model)
+    if cfg.tokenizer:
+        check_model_files("--tokenizer", cfg.tokenizer)
+    flag, name = ("--tokenizer", cfg.tokenizer) if cfg.tokenizer else ("--model", cfg.model)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model)
-        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype)
-    except (OSError, ValueError) as e:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except Exception as e:  # the tokenizers library raises a bare Exception on a tokenizer.json of the wrong shape
+        raise UserError(
+            f"{flag} {name}: its tokenizer cannot be loaded ({str(e).splitlines()[0]}); "
+            f"pass a working one with --tokenizer (e.g. the tokenizer/ of the data directory the model was trained on)"
+        ) from None
+    # Missing, unexpected and mismatched tensors are refused below in one line, so transformers' table of them (its
+    # "LOAD REPORT" warning) is noise before it, and a mismatch is not raised as its traceback.
+    modeling_log = logging.getLogger("transformers.modeling_utils")
+    modeling_log.addFilter(no_load_report)
+    try:
+        model, loading = AutoModelForCausalLM.from_pretrained(
+            cfg.model, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True
+        )
+    except (OSError, ValueError, TypeError) as e:
         raise UserError(f"--model {cfg.model}: cannot be loaded ({str(e).splitlines()[0]})") from None
+    finally:
+        modeling_log.removeFilter(no_load_report)
+    check_weights_match_config(cfg.model, loading)
     if len(tokenizer) > model.config.vocab_size:
         raise UserError(
             f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {model.config.vocab_size}; "
@@ -276,6 +340,24 @@ def evaluate(cfg: Config) -> dict:
     return report
 
 
+def check_output_path(name: str) -> None:
+    """Refuse, before the evaluation, an --output_json that the report could not be written to after it."""
+    path = Path(name)
+    if path.is_dir():
+        raise UserError(f"--output_json {name} is a directory; name a file in it, e.g. {path / 'report.json'}")
+    parent = path.parent
+    while not parent.exists():  # the directories the report will create; the nearest one that exists must take them
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(f"--output_json {name}: {parent} is a file, not a directory; pick another path")
+    try:  # a real write answers for permissions, ACLs and read-only mounts alike
+        tempfile.TemporaryFile(dir=parent).close()
+    except OSError as e:
+        raise UserError(
+            f"--output_json {name}: cannot write in {parent} ({e.strerror}); pick a writable path"
+        ) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     from accelerate import PartialState
     from transformers import HfArgumentParser
@@ -288,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     try:
+        if cfg.output_json:
+            check_output_path(cfg.output_json)
         report = evaluate(cfg)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -224,6 +224,7 @@ def validate(cfg: Config, resuming: bool):
     data = lmdata.training_data(cfg.data_dir, cfg.seq_len, cfg.eval_tokens)
     tokenizer = load_tokenizer(Path(cfg.data_dir) / "tokenizer", "rebuild the data with prepare_data.py --overwrite")
     if cfg.init_from and not resuming:
+        plan.check_weight_files(Path(cfg.init_from), f"--init_from {cfg.init_from}")
         check_same_tokenizer(cfg.init_from, tokenizer, data.meta["eos_id"])
     return data, tokenizer
 
@@ -425,12 +426,9 @@ def load_checkpoint(accelerator, run: Run, finaliser: bool) -> None:
         ) from None
     ckpt_root = Path(run.cfg.output_dir) / "checkpoints"
     if run.cfg.resume != "auto" and finaliser:
-        aside = checkpoint.set_aside_newer(ckpt_root, run.resume_from)
-        if aside is not None:
-            print(
-                f"moved the checkpoints after {run.resume_from.name} to {aside}: this run continues from "
-                f"{run.resume_from.name}"
-            )
+        moved = checkpoint.set_aside_newer(ckpt_root, run.resume_from)
+        if moved is not None:
+            print(moved)
     accelerator.print(
         f"resumed from {run.resume_from} at step {run.resume_state['step']} "
         f"({run.resume_state['tokens_seen']:,} tokens seen)"

@@ -252,3 +252,129 @@ def test_documents_split_over_processes_give_the_same_nll(trained, docs_data, tm
     assert a["tokens"] == b["tokens"] and a["documents"] == b["documents"]
     # Each process batches its own windows, so padding and batch shapes differ: fp32 sums agree to ~1e-9, not bitwise.
     assert b["nll"] == pytest.approx(a["nll"], rel=1e-7)
+
+
+@pytest.fixture(scope="module")
+def bare_model(tmp_path_factory):
+    """A random 2-layer Llama with a 300-token BPE trained here: a model directory without prepare_data.py."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    bpe.train_from_iterator(
+        DOCS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"], initial_alphabet=alphabet)
+    )
+    out = tmp_path_factory.mktemp("model") / "bare"
+    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>").save_pretrained(out)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=320, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(out)
+    return out
+
+
+def _edit_config(**changes):
+    def edit(model_dir):
+        config = json.loads((model_dir / "config.json").read_text())
+        (model_dir / "config.json").write_text(json.dumps({**config, **changes}))
+
+    return edit
+
+
+def _truncate(name, n_bytes):
+    return lambda model_dir: (model_dir / name).write_bytes((model_dir / name).read_bytes()[:n_bytes])
+
+
+def _remove(*names):
+    return lambda model_dir: [(model_dir / name).unlink() for name in names]
+
+
+# (how the copy of the model directory is damaged, what the one error line says). Before issue #20 most were a
+# traceback, and a config.json with one layer too many was scored with that layer at random.
+DAMAGED_MODELS = {
+    "torn config.json": (_truncate("config.json", 100), "config.json is not valid JSON ("),
+    "empty config.json": (_truncate("config.json", 0), "config.json is empty"),
+    "config.json a list": (lambda d: (d / "config.json").write_text("[]"), "config.json holds a JSON list"),
+    "truncated weights": (_truncate("model.safetensors", 5000), "model.safetensors is damaged (Error while deserial"),
+    "empty weights": (_truncate("model.safetensors", 0), "model.safetensors is damaged ("),
+    "no weights": (_remove("model.safetensors"), "cannot be loaded (Error no file named model.safetensors"),
+    "torn tokenizer.json": (_truncate("tokenizer.json", 300), "tokenizer.json is not valid JSON ("),
+    "foreign tokenizer.json": (
+        lambda d: (d / "tokenizer.json").write_text('{"version": "1.0", "added_tokens": [], "model": {"type": "x"}}'),
+        "its tokenizer cannot be loaded (data did not match any variant",
+    ),
+    "no tokenizer": (_remove("tokenizer.json", "tokenizer_config.json"), "its tokenizer cannot be loaded ("),
+    "a layer more than the weights": (
+        _edit_config(num_hidden_layers=3),
+        "its config.json and its weights do not belong together: 9 tensors missing from the weights",
+    ),
+    "another FFN width than the weights": (
+        _edit_config(intermediate_size=48),
+        "do not belong together: 6 tensors of another shape than the config says",
+    ),
+    "a layer less than the weights": (_edit_config(num_hidden_layers=1), "9 tensors the config has no place for"),
+}
+
+
+@pytest.mark.parametrize("case", DAMAGED_MODELS, ids=str)
+def test_damaged_model_directories_are_refused_in_one_line(case, bare_model, tmp_path, capsys):
+    import shutil
+
+    damage, message = DAMAGED_MODELS[case]
+    model = tmp_path / "model"
+    shutil.copytree(bare_model, model)
+    damage(model)
+    (tmp_path / "ok.txt").write_text("Some text.\n\nMore text.\n")
+    out = tmp_path / "report.json"
+    code = ev.main(["--model", str(model), "--dataset", str(tmp_path / "ok.txt"), "--output_json", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"error: --model {model}" in err and message in err, err
+    assert not out.exists()
+
+
+def _output_cases(tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "a_dir").mkdir()
+    (tmp_path / "read_only").mkdir(mode=0o555)
+    return {
+        "parent is a file": (tmp_path / "a_file" / "x.json", f"{tmp_path / 'a_file'} is a file, not a directory"),
+        "deeper under a file": (tmp_path / "a_file" / "sub" / "x.json", "a_file is a file, not a directory"),
+        "a directory": (tmp_path / "a_dir", "is a directory; name a file in it"),
+        "read-only directory": (tmp_path / "read_only" / "x.json", "cannot write in"),
+    }
+
+
+@pytest.mark.parametrize("case", ["parent is a file", "deeper under a file", "a directory", "read-only directory"])
+def test_unwritable_output_json_is_refused_before_the_evaluation(case, bare_model, tmp_path, capsys):
+    import os
+
+    if case == "read-only directory" and os.geteuid() == 0:
+        pytest.skip("root writes into a mode 555 directory")
+    path, message = _output_cases(tmp_path)[case]
+    (tmp_path / "ok.txt").write_text("Some text.\n\nMore text.\n")
+    code = ev.main(["--model", str(bare_model), "--dataset", str(tmp_path / "ok.txt"), "--output_json", str(path)])
+    captured = capsys.readouterr()
+    assert code == 2 and f"error: --output_json {path}" in captured.err and message in captured.err, captured.err
+    assert "perplexity" not in captured.out  # refused before the work, not after it
+
+
+def test_output_json_directories_are_created(bare_model, tmp_path, capsys):
+    (tmp_path / "ok.txt").write_text("Some text.\n\nMore text.\n")
+    out = tmp_path / "new" / "dirs" / "report.json"
+    assert ev.main(["--model", str(bare_model), "--dataset", str(tmp_path / "ok.txt"), "--output_json", str(out)]) == 0
+    assert json.loads(out.read_text())["documents"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new", "ok.txt"]  # the write check left nothing behind
+
+
+@pytest.mark.parametrize("where", ["empty directory", "no such path"])
+def test_a_bad_tokenizer_is_named_as_the_tokenizer(where, bare_model, tmp_path, capsys):
+    tokenizer = tmp_path / "tok"
+    if where == "empty directory":
+        tokenizer.mkdir()
+    (tmp_path / "ok.txt").write_text("Some text.\n\nMore text.\n")
+    args = ["--model", str(bare_model), "--tokenizer", str(tokenizer), "--dataset", str(tmp_path / "ok.txt")]
+    assert ev.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --tokenizer {tokenizer}") and err.count("\n") == 1, err

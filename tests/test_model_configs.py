@@ -1,0 +1,170 @@
+"""Model config files (issue #20): a config that lacks a field its architecture needs, names no or an unsupported
+model_type, carries another architecture's keys, or is not a JSON object at all is refused in one line naming the
+file and the field, for --model_config and --init_from, in-process and from `train.py`; every preset and every
+config transformers writes still loads."""
+
+import json
+import sys
+
+import pytest
+
+import plan
+from cli import UserError
+from conftest import run
+
+
+def preset(name: str) -> dict:
+    return json.loads((plan.MODEL_CONFIG_DIR / f"{name}.json").read_text())
+
+
+def without(d: dict, *keys: str) -> dict:
+    return {k: v for k, v in d.items() if k not in keys}
+
+
+# (config dict, what the error must say). Each one was planned and built by transformers' defaults before.
+REFUSED = {
+    "llama without hidden_size": (without(preset("tiny"), "hidden_size"), "lacks hidden_size, which a llama model"),
+    "llama without layers and heads": (
+        without(preset("tiny"), "num_hidden_layers", "num_attention_heads"),
+        "lacks num_hidden_layers, num_attention_heads",
+    ),
+    "v3 without its MoE and MLA fields": (
+        without(preset("deepseek-v3-tiny"), "n_routed_experts", "kv_lora_rank", "q_lora_rank"),
+        "lacks q_lora_rank, kv_lora_rank, n_routed_experts, which a deepseek_v3 model",
+    ),
+    "v3 without num_key_value_heads": (
+        without(preset("deepseek-v3-tiny"), "num_key_value_heads"),
+        "lacks num_key_value_heads",
+    ),
+    "v3 without model_type": (
+        without(preset("deepseek-v3-tiny"), "model_type"),
+        'has no model_type, so its fields would be read as a Llama\'s; add "model_type": "deepseek_v3"',
+    ),
+    "llama without model_type": (without(preset("tiny"), "model_type"), 'add "model_type": "llama"'),
+    "unsupported model_type": (
+        {**preset("tiny"), "model_type": "mistral", "architectures": ["MistralForCausalLM"]},
+        'model_type \'mistral\', which train.py does not build; the supported ones are "llama" or "deepseek_v3"',
+    ),
+    "MoE keys under llama": (
+        {**preset("tiny"), "n_routed_experts": 8, "num_experts_per_tok": 2},
+        (
+            "has n_routed_experts, num_experts_per_tok, which a llama model does not use (transformers would ignore "
+            'them): set "model_type": "deepseek_v3"'
+        ),
+    ),
+    "v3 file relabelled llama": (
+        {**without(preset("deepseek-v3-tiny"), "architectures"), "model_type": "llama"},
+        "which a llama model does not use",
+    ),
+    "a misspelt key": (
+        {**preset("tiny"), "rope_thetta": 5e5},
+        "has rope_thetta, which a llama model does not use (transformers would ignore it): remove it or fix the",
+    ),
+    "architectures disagree": (
+        {**preset("tiny"), "architectures": ["DeepseekV3ForCausalLM"]},
+        "has model_type 'llama' but architectures ['DeepseekV3ForCausalLM']",
+    ),
+    "hidden_size a string": (
+        {**preset("tiny"), "hidden_size": "64"},
+        'has hidden_size="64"; it must be an integer >= 1',
+    ),
+    "zero layers": ({**preset("tiny"), "num_hidden_layers": 0}, "num_hidden_layers=0; it must be an integer >= 1"),
+    "q_lora_rank zero": (
+        {**preset("deepseek-v3-tiny"), "q_lora_rank": 0},
+        "q_lora_rank=0; it must be an integer >= 1 or null",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED, ids=str)
+def test_incomplete_or_foreign_configs_are_refused(case, tmp_path):
+    d, message = REFUSED[case]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(UserError) as e:
+        plan.load_model_config(str(path), "", 32, None)
+    assert f"--model_config {path}" in str(e.value) and message in str(e.value), str(e.value)
+    # A Hugging Face directory given as --init_from (or as --model_config) goes through the same check.
+    for model_config, init_from, flag in (
+        (str(tmp_path), "", "--model_config"),
+        ("tiny", str(tmp_path), "--init_from"),
+    ):
+        with pytest.raises(UserError) as e:
+            plan.load_model_config(model_config, init_from, 32, None)
+        assert f"{flag} {path}" in str(e.value) and message in str(e.value), str(e.value)
+
+
+# (file bytes, what the error must say): json.loads raised JSONDecodeError / UnicodeDecodeError with no file name.
+DAMAGED = {
+    "torn": (
+        json.dumps(preset("tiny"))[:70].encode(),
+        "is not valid JSON (Unterminated string starting at: line 1 column 64)",
+    ),
+    "syntax error": (
+        b'{\n  "hidden_size": 64,\n  "vocab_size": 512,,\n}',
+        "is not valid JSON (Expecting property name enclosed in double quotes: line 3 column 21)",
+    ),
+    "empty": (b"", "is empty"),
+    "whitespace": (b" \n\n", "is empty"),
+    "a list": (b"[1, 2]", "holds a JSON list where a JSON object belongs"),
+    "a string": (b'"tiny"', "holds a JSON str where a JSON object belongs"),
+    "not UTF-8": (b'{"model_type": "llama\xff"}', "byte 21 is not UTF-8"),
+}
+
+
+@pytest.mark.parametrize("case", DAMAGED, ids=str)
+def test_damaged_config_files_are_refused_with_their_position(case, tmp_path):
+    content, message = DAMAGED[case]
+    path = tmp_path / "bad.json"
+    path.write_bytes(content)
+    with pytest.raises(UserError) as e:
+        plan.load_model_config(str(path), "", 32, None)
+    assert str(e.value).startswith(f"--model_config {path}") and message in str(e.value), str(e.value)
+
+
+def test_init_from_must_be_a_model_directory(tmp_path):
+    """`--init_from tiny` used to read the tiny preset as if it were a model directory (in --plan)."""
+    for init_from in ("tiny", str(tmp_path)):
+        with pytest.raises(UserError, match=r"--init_from .* is not a Hugging Face model directory \(no config.json\)"):
+            plan.load_model_config("tiny", init_from, 32, None)
+
+
+def test_presets_and_configs_transformers_writes_still_load(tmp_path):
+    """No false refusals: every preset, what save_pretrained writes for each architecture (train.py's OUT/final),
+    and a Hub-style config with the keys older transformers versions wrote."""
+    for path in sorted(plan.MODEL_CONFIG_DIR.glob("*.json")):
+        plan.load_model_config(path.stem, "", 128, None)
+    for name in ("tiny", "deepseek-v3-tiny"):
+        config = plan.load_model_config(name, "", 32, {"vocab_size": 500, "eos_id": 0})
+        config.save_pretrained(tmp_path / name)
+        assert plan.load_model_config("", str(tmp_path / name), 32, None).to_dict() == config.to_dict()
+    hub = {**preset("tiny"), "_name_or_path": "x", "pretraining_tp": 1, "rope_scaling": None, "torch_dtype": "bfloat16",
+           "transformers_version": "4.33.1", "use_cache": True, "max_length": 20}  # fmt: skip
+    (tmp_path / "hub").mkdir()
+    (tmp_path / "hub" / "config.json").write_text(json.dumps(hub))
+    assert plan.load_model_config("", str(tmp_path / "hub"), 32, None).hidden_size == 64
+
+
+@pytest.mark.parametrize("case", ["torn", "llama without hidden_size"], ids=str)
+def test_train_plan_refuses_in_one_line(case, tmp_path):
+    path = tmp_path / "bad.json"
+    if case in DAMAGED:
+        path.write_bytes(DAMAGED[case][0])
+    else:
+        path.write_text(json.dumps(REFUSED[case][0]))
+    proc = run([sys.executable, "train.py", "--plan", "--data_dir", "none", "--model_config", path], check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"error: --model_config {path}") and proc.stderr.count("\n") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_train_refuses_a_torn_config_before_writing(docs_data, tmp_path):
+    """A real (unlaunched) training start: the error line, exit 2, and no output directory."""
+    path = tmp_path / "bad.json"
+    path.write_bytes(DAMAGED["torn"][0])
+    out = tmp_path / "out"
+    cmd = [sys.executable, "train.py", "--model_config", path, "--data_dir", docs_data, "--output_dir", out]
+    proc = run(cmd, check=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and f"error: --model_config {path} is not valid JSON (" in output, output
+    assert "Traceback" not in output and not out.exists()
