@@ -18,12 +18,10 @@ import itertools
 import json
 import os
 import re
-import socket
 import sys
 import sysconfig
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path, PurePosixPath
-from urllib.parse import urlparse
 
 import numpy as np
 
@@ -87,13 +85,18 @@ def iter_text(path: Path, stats: SourceStats) -> Iterator[str]:
         block = f.read(_READ_BLOCK)
         if not block.strip() and len(block) < _READ_BLOCK:
             raise UserError(f"{path} is empty{' (whitespace only)' if block else ''}; remove it or give it text")
-        if (
-            block.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE))
-            or block[:4096].count(0) > len(block[:4096]) // 4
-        ):
+        if block.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
             raise UserError(
-                f"{path} is UTF-16 (byte-order mark or NUL bytes), not UTF-8; convert it first, e.g. "
+                f"{path} is UTF-16 (byte-order mark), not UTF-8; convert it first, e.g. "
                 f"iconv -f UTF-16 -t UTF-8 {path} > {path.with_suffix('.utf8' + path.suffix).name}"
+            )
+        head = block[:65536]
+        undecodable = len(head) - len(head.decode("utf-8", "ignore").encode("utf-8"))
+        if head[:4096].count(0) > len(head[:4096]) // 4 or undecodable > len(head) // 4:
+            # a few bad bytes are tolerated (and counted), but a file that mostly does not decode would train on U+FFFD
+            raise UserError(
+                f"{path} is not UTF-8 text (a quarter of its first bytes are NUL or do not decode: binary, compressed, "
+                "or another encoding); remove it from --dataset, or convert it, e.g. iconv -f LATIN1 -t UTF-8"
             )
         if block.startswith(codecs.BOM_UTF8):
             stats.bom_files += 1
@@ -118,6 +121,65 @@ def iter_text(path: Path, stats: SourceStats) -> Iterator[str]:
             if not block:
                 return
             block = f.read(_READ_BLOCK)
+
+
+# A text file read as one document (--doc_separator file) above this size is never held in memory whole: it streams
+# from disk, in pieces, to the tokenizer (a str costs 1-4 bytes a character, and Python joins blocks by copying).
+LONG_DOCUMENT_BYTES = 1 << 23
+
+
+@dataclasses.dataclass(eq=False)
+class FileText:
+    """A text file read as one document, or a range [start, stop) of its characters, read again in blocks whenever it
+    is needed instead of held in memory. Its first full read (`summary`) counts what the reader tolerated into
+    `stats`, once; the others count into scratch statistics."""
+
+    path: Path
+    stats: SourceStats
+    start: int = 0
+    stop: int | None = None  # None: the end of the file
+
+    def blocks(self) -> Iterator[str]:
+        pos = 0
+        for block in iter_text(self.path, SourceStats()):
+            end = pos + len(block)
+            if end > self.start:
+                yield block[max(0, self.start - pos) : None if self.stop is None else self.stop - pos]
+            pos = end
+            if self.stop is not None and pos >= self.stop:
+                return
+
+    @functools.cached_property
+    def summary(self) -> tuple[int, bytes, int]:
+        """(characters, blake2b-64 of the UTF-8 text, index after its last non-whitespace character)."""
+        digest, n, text_end = hashlib.blake2b(digest_size=8), 0, 0
+        for block in iter_text(self.path, self.stats):
+            digest.update(block.encode("utf-8", "surrogatepass"))
+            kept = len(block.rstrip())
+            text_end = n + kept if kept else text_end
+            n += len(block)
+        return n, digest.digest(), text_end
+
+    def __len__(self) -> int:
+        return (self.summary[0] if self.stop is None else self.stop) - self.start
+
+    def split_by_position(self, fraction: float) -> tuple[FileText, FileText | None]:
+        """split_by_position for a whole file, read twice instead of held."""
+        n, _, text_end = self.summary
+        limit, cut, pos = int(n * (1 - fraction)), -1, 0
+        for block in self.blocks():
+            if pos >= limit:
+                break
+            found = block.rfind("\n", 0, limit - pos)
+            cut = pos + found if found >= 0 else cut
+            pos += len(block)
+        if cut <= 0 or text_end <= cut + 1:
+            return self, None
+        return FileText(self.path, self.stats, 0, cut + 1), FileText(self.path, self.stats, cut + 1, n)
+
+
+def is_blank(doc: str | FileText) -> bool:
+    return doc.summary[2] == 0 if isinstance(doc, FileText) else not doc.strip()
 
 
 def iter_lines(chunks: Iterable[str]) -> Iterator[str]:
@@ -182,14 +244,17 @@ def separated_documents(chunks: Iterable[str], separator: str) -> Iterator[str]:
     yield rest.strip("\n")
 
 
-def text_file_documents(path: Path, separator: str, stats: SourceStats) -> Iterator[str]:
+def text_file_documents(path: Path, separator: str, stats: SourceStats) -> Iterator[str | FileText]:
     """Documents of one plain-text file. separator "file": WikiText articles when the file has WikiText titles, else the
-    whole file; "blank_line": blocks between blank lines; anything else: a literal separator string."""
+    whole file (over LONG_DOCUMENT_BYTES as a FileText, read when needed); "blank_line": blocks between blank lines;
+    anything else: a literal separator string."""
     chunks = iter_text(path, stats)
     if separator == "blank_line":
         yield from blank_line_blocks(iter_lines(chunks))
     elif separator != "file":
         yield from separated_documents(chunks, separator)
+    elif path.stat().st_size > LONG_DOCUMENT_BYTES and not (is_wikitext_file(path) or is_wikitext(_head(path))):
+        yield FileText(path, stats)
     else:
         first = next(chunks, "")
         rest = itertools.chain([first], chunks)
@@ -226,7 +291,7 @@ def parquet_documents(path: str | Path, text_field: str, stats: SourceStats, ope
     import pyarrow.parquet as pq
 
     with open_file(path, "rb") as f:
-        pf = pq.ParquetFile(f)
+        pf = _parquet_step(path, lambda: pq.ParquetFile(f))
         if text_field not in pf.schema_arrow.names:
             raise UserError(
                 f"{path} has no '{text_field}' column (it has {pf.schema_arrow.names}); name the text column with "
@@ -240,7 +305,8 @@ def parquet_documents(path: str | Path, text_field: str, stats: SourceStats, ope
             )
         row = 0
         for group in range(pf.num_row_groups):
-            texts = pf.read_row_group(group, columns=[text_field]).column(text_field).to_pylist()
+            texts = _parquet_step(path, lambda g=group: pf.read_row_group(g, columns=[text_field]))
+            texts = texts.column(text_field).to_pylist()
             meta = pf.metadata.row_group(group)
             stats.read_bytes += sum(meta.column(i).total_compressed_size for i in range(meta.num_columns))
             for text in texts:
@@ -250,6 +316,19 @@ def parquet_documents(path: str | Path, text_field: str, stats: SourceStats, ope
                     )
                 row += 1
                 yield text
+
+
+def _parquet_step(path, step):
+    """step() on a Parquet file, its failure (a truncated download, a file that is not Parquet) one line."""
+    import pyarrow as pa
+
+    try:
+        return step()
+    except (pa.ArrowException, OSError) as e:
+        raise UserError(
+            f"{path} cannot be read as Parquet ({str(e).splitlines()[0] if str(e) else type(e).__name__}): it is "
+            "truncated or not a Parquet file; download it again, or remove it from --dataset"
+        ) from None
 
 
 def wikitext_text_from_rows(rows) -> str:
@@ -286,10 +365,13 @@ def file_documents(path: Path, text_field: str, separator: str, stats: SourceSta
     return text_file_documents(path, separator, stats)
 
 
-def is_held_out(text: str, fraction: float) -> bool:
+def is_held_out(text: str | FileText, fraction: float) -> bool:
     """Whether a document belongs to the held-out split: a hash of its text against `fraction`. Needs no count, so it
     works on a stream; the same text always lands on the same side (duplicates cannot straddle the split)."""
-    digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    if isinstance(text, FileText):
+        digest = text.summary[1]
+    else:
+        digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
     return int.from_bytes(digest, "big") < fraction * 2**64
 
 
@@ -299,7 +381,7 @@ def routed_documents(source: Source, fraction: float) -> Iterator[tuple[str, str
     `fraction` go to validation (a single-document source: its last `fraction`, cut at a line end)."""
     for split in [s for s in SPLITS if s in source.splits]:
         for text in source.splits[split]():
-            if not text.strip():
+            if is_blank(text):
                 source.stats.empty_documents += 1
                 continue
             if split != "train" or "validation" in source.splits:
@@ -313,8 +395,10 @@ def routed_documents(source: Source, fraction: float) -> Iterator[tuple[str, str
                 yield text, "validation" if is_held_out(text, fraction) else "train"
 
 
-def split_by_position(text: str, fraction: float) -> tuple[str, str]:
+def split_by_position(text: str | FileText, fraction: float) -> tuple[str | FileText, str | FileText | None]:
     """(train, held-out) of a single-document source: its last `fraction` held out, cut at a line boundary."""
+    if isinstance(text, FileText):
+        return text.split_by_position(fraction)
     cut = text.rfind("\n", 0, int(len(text) * (1 - fraction)))
     if cut <= 0 or not text[cut + 1 :].strip():
         return text, ""
@@ -463,6 +547,7 @@ class Source:
     stats: SourceStats
     single_document: bool = False  # one text file read as one document: its held-out part is cut by position
     total_bytes: int | None = None  # bytes the readers will read, when known (progress bar)
+    skipped: list[Path] = dataclasses.field(default_factory=list)  # prepare_data.py outputs its directory holds
 
 
 class HubAccess:
@@ -568,8 +653,8 @@ def hub_source(spec: str, text_field: str, hub: HubAccess | None = None) -> Sour
     return Source(spec, identity, {s: functools.partial(stream, p) for s, p in files.items()}, stats)
 
 
-def local_source(spec: str, text_field: str, separator: str) -> Source:
-    files, layout = resolve_local_files(spec)
+def local_source(spec: str, text_field: str, separator: str, exclude: Iterable[Path] = ()) -> Source:
+    files, layout, skipped = local_files(spec, exclude)
     stats = SourceStats()
     all_files = [f for split in files.values() for f in split]
     identity = {
@@ -599,6 +684,7 @@ def local_source(spec: str, text_field: str, separator: str) -> Source:
         stats,
         single,
         sum(f.stat().st_size for f in all_files),
+        skipped,
     )
 
 
@@ -620,8 +706,11 @@ def builtin_source(spec: str) -> Source:
     return Source(spec, identity, {"train": stream}, stats, total_bytes=sum(len(d.encode("utf-8")) for d in docs))
 
 
-def open_source(spec: str, text_field: str = "text", separator: str = "file", hub: HubAccess | None = None) -> Source:
-    """The Source of one --dataset value. Nothing is read yet but what identifies it (local files are hashed)."""
+def open_source(
+    spec: str, text_field: str = "text", separator: str = "file", hub: HubAccess | None = None, exclude=()
+) -> Source:
+    """The Source of one --dataset value. Nothing is read yet but what identifies it (local files are hashed). A local
+    directory or glob leaves out prepare_data.py's outputs and the directories in `exclude`."""
     if spec in BUILTIN_SOURCES:
         return builtin_source(spec)
     if spec in HUB_PRESETS:
@@ -633,7 +722,7 @@ def open_source(spec: str, text_field: str = "text", separator: str = "file", hu
                 ".txt/.jsonl/.parquet files)"
             )
         return hub_source(spec, text_field, hub)
-    return local_source(spec, text_field, separator)
+    return local_source(spec, text_field, separator, exclude)
 
 
 def _head(path: Path, n: int = 200_000) -> str:
@@ -658,26 +747,40 @@ def sha256_text(docs: list[str]) -> str:
     return h.hexdigest()
 
 
-def resolve_local_files(spec: str) -> tuple[dict[str, list[Path]], str]:
+def resolve_local_files(spec: str, exclude: Iterable[Path] = ()) -> tuple[dict[str, list[Path]], str]:
     """Map a local path spec (file, directory or glob) to files per split. Returns (files by split, layout):
     "wikitext" (wiki.train.* / wiki.valid.* / wiki.test.*), "splits" (train/ validation/ test/ directories or
-    train-*.parquet-style names, as on the Hub) or "files" (everything is training text)."""
+    train-*.parquet-style names, as on the Hub) or "files" (everything is training text). A directory or glob leaves
+    out prepare_data.py's outputs and the directories in `exclude` (see local_files)."""
+    files, layout, _ = local_files(spec, exclude)
+    return files, layout
+
+
+def local_files(spec: str, exclude: Iterable[Path] = ()) -> tuple[dict[str, list[Path]], str, list[Path]]:
+    """resolve_local_files, and the directories whose files it left out."""
     path = Path(spec).expanduser()
     if any(c in spec for c in "*?["):
-        files = sorted(Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True) if Path(p).is_file())
-        files = [f for f in files if f.suffix in DATA_SUFFIXES]
+        found = sorted(Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True) if Path(p).is_file())
+        files, skipped = without_prepared_outputs([f for f in found if f.suffix in DATA_SUFFIXES], exclude)
         if not files:
+            only = f" outside prepare_data.py's outputs ({', '.join(map(str, skipped[:3]))})" if skipped else ""
             raise UserError(
-                f"--dataset {spec!r}: the glob matches no {'/'.join(DATA_SUFFIXES)} file; check the pattern"
+                f"--dataset {spec!r}: the glob matches no {'/'.join(DATA_SUFFIXES)} file{only}; check the pattern"
             )
-        return {"train": files}, "files"
+        return {"train": files}, "files", skipped
     if path.is_file():
         if path.suffix not in DATA_SUFFIXES:
             raise UserError(
                 f"--dataset {spec!r}: unsupported file type {path.suffix!r}; use one of {', '.join(DATA_SUFFIXES)}"
             )
-        return {"train": [path]}, "files"
+        return {"train": [path]}, "files", []
     if path.is_dir():
+        inside = without_prepared_outputs([path / "-"], exclude)[1]
+        if inside:
+            raise UserError(
+                f"--dataset {spec!r} lies in {inside[0]}, an output (or work directory) of prepare_data.py, not a "
+                "corpus; pass the text it was prepared from"
+            )
         by_split: dict[str, list[Path]] = {}
         for split, stem in _WIKITEXT_SPLIT_FILES.items():
             candidates = [path / f"{stem}{suffix}" for suffix in (".raw", ".tokens", ".txt")]
@@ -685,26 +788,77 @@ def resolve_local_files(spec: str) -> tuple[dict[str, list[Path]], str]:
             if found:
                 by_split[split] = found[:1]  # prefer the raw text over the tokenized variant
         if by_split:
-            return by_split, "wikitext"
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in DATA_SUFFIXES)
+            return by_split, "wikitext", []
+        found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in DATA_SUFFIXES)
+        files, skipped = without_prepared_outputs(found, exclude)
         if not files:
-            raise UserError(f"--dataset {spec!r}: the directory holds no {'/'.join(DATA_SUFFIXES)} file")
+            only = f" outside prepare_data.py's outputs ({', '.join(map(str, skipped[:3]))})" if skipped else ""
+            raise UserError(f"--dataset {spec!r}: the directory holds no {'/'.join(DATA_SUFFIXES)} file{only}")
         named = layout_splits([p.relative_to(path).as_posix() for p in files])
-        return {s: [path / p for p in v] for s, v in named.items()}, "splits" if set(named) != {"train"} else "files"
+        layout = "splits" if set(named) != {"train"} else "files"
+        return {s: [path / p for p in v] for s, v in named.items()}, layout, skipped
     known = ", ".join(list(HUB_PRESETS) + list(BUILTIN_SOURCES))
     raise UserError(f"--dataset {spec!r} is neither an existing file, directory or glob nor a known preset ({known})")
 
 
-def hub_unreachable_reason() -> str | None:
-    """None when the Hugging Face Hub answers (or HF_HUB_OFFLINE asks for the local cache), else why not."""
-    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
-        return None
-    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+def is_prepared_output(directory: Path) -> bool:
+    """Whether a directory is prepare_data.py's output (a meta.json of its format, or any meta.json beside a train.bin:
+    a torn one) or its work directory (.NAME.partial, also a killed run's)."""
+    name = directory.name
+    work_files = ("progress.json", "fingerprint", "tokenizer", ".lock", "meta.json")
+    if name.startswith(".") and name.endswith(".partial") and any((directory / f).exists() for f in work_files):
+        return True
+    if not (directory / "meta.json").is_file():
+        return False
+    if (directory / "train.bin").is_file():
+        return True
     try:
-        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=5).close()
+        meta = json.loads((directory / "meta.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and {"format_version", "splits", "fingerprint"} <= meta.keys()
+
+
+def without_prepared_outputs(files: list[Path], exclude: Iterable[Path] = ()) -> tuple[list[Path], list[Path]]:
+    """The files that lie in no prepare_data.py output and under no directory of `exclude`, and the directories of
+    those left out. Corpus files found by a directory or a glob must never include them: a rerun would read its own
+    validation.jsonl / test.jsonl as training text, and the held-out documents would land in both splits."""
+    excluded = {Path(e).resolve() for e in exclude}
+    owners: dict[Path, Path | None] = {}
+
+    def owner(d: Path) -> Path | None:  # the output directory that d lies in, if any
+        if d not in owners:
+            if d in excluded or is_prepared_output(d):
+                owners[d] = d
+            else:
+                owners[d] = None if d.parent == d else owner(d.parent)
+        return owners[d]
+
+    kept, skipped = [], []
+    for f in files:
+        found = owner(f.resolve().parent)
+        if found is None:
+            kept.append(f)
+        elif found not in skipped:
+            skipped.append(found)
+    return kept, skipped
+
+
+def hub_unreachable_reason() -> str | None:
+    """None when the Hugging Face Hub answers (or offline mode, HF_HUB_OFFLINE=1, asks for the local cache), else why
+    not. Asked through huggingface_hub's own HTTP client, so that HF_ENDPOINT and HTTPS_PROXY / HTTP_PROXY / NO_PROXY
+    count as they do for every download: a raw socket would call a cluster that reaches the Hub through a proxy
+    unreachable."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    if constants.is_offline_mode():
         return None
-    except OSError as e:
-        return f"cannot reach {endpoint.hostname} ({e.strerror or e})"
+    try:
+        get_session().head(constants.ENDPOINT, timeout=5)  # any HTTP answer, an error status too, means it answers
+        return None
+    except Exception as e:  # noqa: BLE001 - DNS, refused, proxy, TLS, timeout: all mean "not reachable from here"
+        return f"cannot reach {constants.ENDPOINT} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
 
 
 def synthetic_web_documents(n_bytes: int, seed: int = 0) -> Iterator[str]:
@@ -772,11 +926,27 @@ def read_meta(data_dir: str | Path) -> dict:
         raise UserError(
             f"{meta_path} is not valid JSON ({e.msg}); rebuild it with prepare_data.py --overwrite"
         ) from None
+    if not isinstance(meta, dict):
+        raise UserError(
+            f"{meta_path} holds a JSON {type(meta).__name__}, not an object; rebuild it with prepare_data.py"
+        )
     if meta.get("format_version") != FORMAT_VERSION:
         raise UserError(
             f"{data_dir} has data format version {meta.get('format_version')!r}, this code reads version "
             f"{FORMAT_VERSION}; "
             f"rebuild it with prepare_data.py --overwrite"
+        )
+    splits = meta.get("splits")
+    if not (
+        isinstance(meta.get("vocab_size"), int)
+        and meta["vocab_size"] > 0
+        and isinstance(meta.get("eos_id"), int)
+        and isinstance(splits, dict)
+        and all(isinstance(c, dict) and isinstance(c.get("tokens"), int) and c["tokens"] >= 0 for c in splits.values())
+    ):
+        raise UserError(
+            f"{meta_path} is damaged (vocab_size, eos_id or per-split token counts missing or not numbers); rebuild "
+            "it with prepare_data.py --overwrite"
         )
     expected = token_dtype(meta["vocab_size"]).name
     if meta.get("dtype") != expected:

@@ -14,29 +14,38 @@
     python prepare_data.py --dataset wikitext-103 --dataset openwebtext \
         --tokenizer deepseek-ai/deepseek-llm-7b-base --output_dir data/wt103-owt --num_proc 16
 
-Documents stream from the sources through --num_proc tokenizer processes into the token files in bounded batches:
-memory stays flat whatever the corpus size, and the output is the same bytes for any --num_proc. Sources without a
-validation split hold out the documents whose text hashes below --validation_fraction.
+Documents stream from the sources through --num_proc tokenizer processes into the token files in bounded batches, long
+documents in pieces cut where the tokenizer cannot join them (the same token ids as whole): memory stays flat whatever
+the corpus or document size, and the output is the same bytes for any --num_proc. Sources without a validation split
+hold out the documents whose text hashes below --validation_fraction. A directory or glob source never reads
+prepare_data.py's own output or work directories (nor --output_dir), wherever they lie in it.
 
 Output (DIR): train.bin / validation.bin / test.bin (flat token ids, EOS after every document), tokenizer/,
 meta.json, and validation.jsonl / test.jsonl (the held-out documents' text, for eval.py). The work happens in
 .DIR.partial, checkpointed every --checkpoint_mb of text: run a killed command again and it continues from the last
-checkpoint. DIR appears only when complete; an identical second run returns at once.
+checkpoint. DIR appears only when complete; an identical second run returns at once. A tokenizer process that dies
+(the out-of-memory killer, kill -9) stops the run at once with exit status 3, the partial output kept for a rerun.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import fcntl
 import hashlib
 import json
+import multiprocessing.context
 import os
+import re
 import resource
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +59,26 @@ BPE_SAMPLE_CHARS = 1 << 30  # bpe:VOCAB trains on at most the first ~1 GB of tra
 BATCH_DOCS, BATCH_CHARS = 1000, 1 << 20  # one tokenizer task: up to 1000 documents or ~1 MB of text
 OWN_FILES = {"train.bin", "validation.bin", "test.bin", "validation.jsonl", "test.jsonl", "meta.json", "tokenizer"}
 SPLIT_RULE = "blake2b-64 of the document text < fraction; single-document sources: last fraction, cut at a line end"
+PIECE_CHARS = 1 << 16  # a longer document goes to the tokenizer in pieces of about this many characters
+WHOLE_NOTE_CHARS = 1 << 23  # a document this long tokenized whole (its tokenizer cannot be cut) gets a note
+
+# Where a long document is cut: before a space that follows a non-space character and precedes an ASCII letter.
+# Why no tokenizer this project uses can join the two sides (so the pieces' ids are the whole document's ids):
+# - GPT-2's byte-level regex (ByteLevel with use_regex; bpe:VOCAB's), 's|'t|...| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|
+#   \s+(?!\S)|\s+, lets a space into a pre-token only as its first character or within a whitespace run. So no
+#   pre-token holds both the non-space before the cut and the space after it; and the scan, which has no look-behind
+#   and whose one look-ahead (?!\S) only ends whitespace runs, finds the same pre-tokens on each side as in the whole.
+#   A cut after "\n" would not do: "\n\n" and a run of spaces are one pre-token, and (?!\S) sees the piece's end.
+# - DeepSeek's sequences of Split regexes (LLM: [\r\n], \s?[A-Za-z...]+, \s?[punctuation]+, \s+$, CJK, \p{N}+; V3:
+#   \p{N}{1,3}, CJK/kana, then a GPT-4-style regex) keep whitespace in a match only as its first character or in a
+#   whitespace run as well, and their letter patterns start a match at " " + letter, so the cut is a boundary even
+#   where the character before it belongs to no pattern; \s+$ cannot match at a piece end that is not whitespace.
+# Other Split regexes are not proven: cut_problem accepts only these kinds of pre-tokenizer and then checks the rule
+# on a probe text with a cut after every kind of character (probe_text). Anything else (Metaspace adds a prefix to every
+# piece; slow tokenizers; added tokens that strip spaces) is tokenized whole, with a note (memory ~150x the document).
+PIECE_CUT = re.compile(r"(?<=[^\s\u180e\u200b\ufeff]) (?=[A-Za-z])")
+CUTTABLE_NORMALIZERS = {"Sequence", "NFC", "NFD", "NFKC", "NFKD", "Lowercase"}  # per character, never across a space
+CUTTABLE_PRE_TOKENIZERS = {"Sequence", "ByteLevel", "Split", "Digits"}
 
 
 # fmt: off
@@ -105,19 +134,57 @@ def fingerprint(cfg: Config, sources: list[dict], tokenizer_id: dict) -> str:
 
 
 def tokenizer_identity(spec: str) -> dict:
-    """What the tokenizer is: a local directory's file hash, or a Hub id with the commit it resolves to."""
+    """What the tokenizer is: a local directory's file hash, or a Hub id with the commit it resolves to. Online that is
+    the Hub's answer; offline (HF_HUB_OFFLINE=1, or the Hub out of reach) the commit the local cache holds for the main
+    branch, which is what AutoTokenizer loads then; None when neither can tell (see recorded_identity)."""
     path = Path(spec).expanduser()
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.is_file())
         return {"spec": spec, "sha256": lmdata.sha256_files(files)}
-    if parse_bpe_spec(spec) is None and lmdata.hub_unreachable_reason() is None:
-        try:
-            from huggingface_hub import HfApi
+    if parse_bpe_spec(spec) is not None:
+        return {"spec": spec}
+    from huggingface_hub import constants
 
+    if not constants.is_offline_mode() and lmdata.hub_unreachable_reason() is None:
+        from huggingface_hub import HfApi
+
+        with contextlib.suppress(Exception):  # a private repository, a rate limit, ...: the local cache may still know
             return {"spec": spec, "revision": HfApi().model_info(spec).sha}
-        except Exception as e:  # noqa: BLE001 - offline cache, private repo: load_tokenizer gives the real error
-            return {"spec": spec, "revision": f"unknown ({type(e).__name__})"}
-    return {"spec": spec}
+    return {"spec": spec, "revision": cached_revision(spec)}
+
+
+def cached_revision(repo_id: str) -> str | None:
+    """The commit of the main branch that the local Hugging Face cache (HF_HUB_CACHE) holds a tokenizer file of."""
+    from huggingface_hub import try_to_load_from_cache
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        try:
+            found = try_to_load_from_cache(repo_id, name)
+        except ValueError:  # not a valid repository id: load_tokenizer says so
+            return None
+        if isinstance(found, str):
+            return Path(found).parent.name  # .../snapshots/<commit>/<name>
+    return None
+
+
+def recorded_identity(tok_id: dict, out_dir: Path, tmp_dir: Path) -> dict:
+    """A Hub tokenizer whose commit cannot be looked up (offline and not in this cache) is taken to be the one that the
+    existing output or partial output recorded: without it an up-to-date directory would look foreign, and a
+    resumable partial be wiped, only because the Hub is out of reach."""
+    if tok_id.get("revision", "") is not None:
+        return tok_id
+    for path in (out_dir / "meta.json", tmp_dir / "progress.json"):
+        try:
+            recorded = json.loads(path.read_text()).get("tokenizer_identity")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(recorded, dict) and recorded.get("spec") == tok_id["spec"] and recorded.get("revision"):
+            print(
+                f"note: --tokenizer {tok_id['spec']}: its commit cannot be looked up here (offline, not in the local "
+                f"cache); taking the one {path} records, {recorded['revision']}"
+            )
+            return recorded
+    return tok_id
 
 
 def peak_rss_mib() -> float:
@@ -149,6 +216,8 @@ def init_tokenizer_worker(tokenizer_dir: str, dtype: str, eos_id: int, threads: 
     """Load the saved tokenizer in this process: the Rust tokenizer when there is a tokenizer.json, else
     AutoTokenizer."""
     os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads else "false"
+    if not threads:  # a tokenizer process: Ctrl-C is the main process's to handle (it stops them all)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     path = Path(tokenizer_dir) / "tokenizer.json"
     if path.is_file():
         from tokenizers import Tokenizer
@@ -165,12 +234,17 @@ def init_tokenizer_worker(tokenizer_dir: str, dtype: str, eos_id: int, threads: 
     _worker.update(encode=encode, dtype=np.dtype(dtype), eos=eos_id)
 
 
-def encode_documents(texts: list[str]) -> tuple[np.ndarray, int, float]:
+def encode_documents(texts: list[str], joined: bool = False, ends: bool = True) -> tuple[np.ndarray, int, float]:
     """Token ids of each document followed by EOS, flat in the token dtype, the documents' UTF-8 byte count, and this
-    process's resident memory in MiB."""
+    process's resident memory in MiB. joined: the texts are consecutive pieces of one document, with one EOS after the
+    last, and only if it `ends` the document."""
     ids = _worker["encode"](texts)
+    eos_after = [not joined or i == len(ids) - 1 for i in range(len(ids))]
+    eos_after[-1] = eos_after[-1] and ends
     flat = np.fromiter(
-        (t for doc in ids for t in (*doc, _worker["eos"])), dtype=np.int64, count=sum(map(len, ids)) + len(ids)
+        (t for doc, eos in zip(ids, eos_after) for t in (*doc, *((_worker["eos"],) if eos else ()))),
+        dtype=np.int64,
+        count=sum(map(len, ids)) + sum(eos_after),
     )
     top = int(flat.max()) if flat.size else 0
     if top > np.iinfo(_worker["dtype"]).max:
@@ -184,33 +258,170 @@ def encode_documents(texts: list[str]) -> tuple[np.ndarray, int, float]:
 @dataclasses.dataclass
 class Task:
     """A batch of documents for one output split, or (texts None) a checkpoint to take once all before it are
-    written."""
+    written. joined: the texts are consecutive pieces of one long document, which the task `starts` and/or `ends`."""
 
     split: str
     texts: list[str] | None
     position: dict | None = None
+    joined: bool = False
+    starts: bool = True
+    ends: bool = True
 
 
-def in_order(tasks: Iterator[Task], pool, max_in_flight: int) -> Iterator[tuple[Task, tuple | None]]:
+class WorkerDied(Exception):
+    """A tokenizer process ended without being asked to (the out-of-memory killer, kill -9, a crash): exit 3."""
+
+
+class _RecordingSpawn(multiprocessing.context.SpawnContext):
+    """The spawn start method, keeping every process it starts: once the pool breaks they tell which one died, and
+    how (concurrent.futures only says that one did)."""
+
+    def __init__(self):
+        super().__init__()
+        self.started: list = []
+
+    def Process(self, *args, **kwargs):  # the name ProcessPoolExecutor calls
+        process = multiprocessing.context.SpawnProcess(*args, **kwargs)
+        self.started.append(process)
+        return process
+
+
+class TokenizerPool:
+    """num_proc tokenizer processes, spawned (forking a process that holds a Rust tokenizer's threads can deadlock).
+    concurrent.futures, not multiprocessing.Pool: when a process dies, Pool starts another and waits forever for the
+    batch the dead one held, while ProcessPoolExecutor fails every pending result at once (BrokenProcessPool) and
+    stops the other processes."""
+
+    def __init__(self, num_proc: int, init_args: tuple):
+        self.context = _RecordingSpawn()
+        self.executor = ProcessPoolExecutor(
+            num_proc, mp_context=self.context, initializer=init_tokenizer_worker, initargs=init_args
+        )
+
+    def submit(self, task: Task) -> Future:
+        return self.executor.submit(encode_documents, task.texts, task.joined, task.ends)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True)
+
+    def stop(self) -> None:
+        for process in self.context.started:
+            if process.exitcode is None:
+                process.terminate()
+        self.executor.shutdown(wait=True, cancel_futures=True)
+
+    def death(self) -> str:
+        """Which process died and how, once the pool has broken: the first one that did not end by the SIGTERM that
+        the pool sends the others."""
+        self.stop()
+        ended = [p for p in self.context.started if p.exitcode is not None]
+        dead = next((p for p in ended if p.exitcode != -signal.SIGTERM), ended[0] if ended else None)
+        if dead is None:
+            return "a tokenizer process died"
+        if dead.exitcode == -signal.SIGKILL:
+            how = "was killed by SIGKILL (the out-of-memory killer sends it too: see dmesg, and lower --num_proc)"
+        elif dead.exitcode < 0:
+            how = f"was killed by {signal.Signals(-dead.exitcode).name}"
+        else:
+            how = f"exited with status {dead.exitcode}"
+        return f"tokenizer process {dead.pid} {how}"
+
+
+def in_order(tasks: Iterator[Task], pool: TokenizerPool | None, max_in_flight: int) -> Iterator[tuple[Task, tuple]]:
     """(task, encode_documents result) for every task, in task order, with at most max_in_flight batches queued."""
     queue: collections.deque = collections.deque()
     for task in tasks:
         if task.texts is None:
             queue.append((task, None))
         elif pool is None:
-            queue.append((task, encode_documents(task.texts)))
+            queue.append((task, encode_documents(task.texts, task.joined, task.ends)))
         else:
-            queue.append((task, pool.apply_async(encode_documents, (task.texts,))))
-        while queue and (
-            len(queue) > max_in_flight
-            or queue[0][1] is None
-            or not hasattr(queue[0][1], "ready")
-            or queue[0][1].ready()
-        ):
+            queue.append((task, pool.submit(task)))
+        while queue and (len(queue) > max_in_flight or not isinstance(queue[0][1], Future) or queue[0][1].done()):
             done, result = queue.popleft()
-            yield done, result.get() if hasattr(result, "get") else result
+            yield done, result.result() if isinstance(result, Future) else result
     for done, result in queue:
-        yield done, result.get() if hasattr(result, "get") else result
+        yield done, result.result() if isinstance(result, Future) else result
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Long documents: pieces the tokenizer cannot tell from the whole
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def document_pieces(doc: str | lmdata.FileText, size: int, cut: re.Pattern | None) -> Iterator[str]:
+    """A document's text in pieces, each cut at the first match of `cut` once it has `size` characters (no match:
+    longer); `cut` None: one piece, the whole text. A FileText is read block by block, never whole."""
+    blocks = doc.blocks() if isinstance(doc, lmdata.FileText) else iter([doc])
+    if cut is None:
+        yield doc if isinstance(doc, str) else "".join(blocks)
+        return
+    text, start, searched = "", 0, 0
+    for block in blocks:
+        text, searched, start = text[start:] + block, max(0, searched - start), 0  # "" + doc does not copy doc
+        while len(text) - start > size:
+            found = cut.search(text, max(start + size, searched))
+            if found is None:
+                searched = len(text) - 1  # a space at the very end is a cut once the next block shows a letter
+                break
+            yield text[start : found.start()]
+            start = found.start()
+    if start < len(text):
+        yield text[start:]
+
+
+def _component_types(node) -> set[str]:
+    """The "type" of a tokenizer.json component and of every component nested in it."""
+    if isinstance(node, list):
+        return set().union(*map(_component_types, node))
+    if not isinstance(node, dict):
+        return set()
+    return ({node["type"]} if "type" in node else set()) | _component_types(list(node.values()))
+
+
+def probe_text() -> str:
+    """A cut candidate after every kind of character, before every kind of word, amid every kind of whitespace."""
+    before = list("aZ9.,'\")-_$`@éßΩж中한ا😀") + ["\u0301", "\u200d", "e\u0301", "1,000", "ab'", "x\t"]
+    after = ["a", "ab", "s", "t", "re", "ll", "A9", "b'c", "x.", "y\n\n", "z  ", "w\r\n", "q😀", "k\u0301", "Dr. X"]
+    around = ["", " ", "  ", "\n", "\n\n", "\t", "\r\n", "\u00a0", "\u3000", "\n \n", "   \n"]
+    parts = [
+        around[(i + j) % len(around)] + b + " " + a + around[(i * j) % len(around)]
+        for i, b in enumerate(before)
+        for j, a in enumerate(after)
+    ]
+    return "".join(parts)
+
+
+def cut_problem(tokenizer_dir: Path) -> str | None:
+    """None when documents cut at PIECE_CUT tokenize with this tokenizer exactly as whole, else why not (see
+    PIECE_CUT): its kind of normalizer, pre-tokenizer and added tokens, then every cut of a probe text."""
+    path = tokenizer_dir / "tokenizer.json"
+    if not path.is_file():
+        return "no tokenizer.json (a slow, Python tokenizer)"
+    from tokenizers import Tokenizer
+
+    spec = json.loads(path.read_text())
+    odd = _component_types(spec.get("normalizer")) - CUTTABLE_NORMALIZERS
+    if odd:
+        return f"its normalizer ({', '.join(sorted(odd))}) is not one that keeps to each character"
+    kinds = _component_types(spec.get("pre_tokenizer"))
+    if not kinds or kinds - CUTTABLE_PRE_TOKENIZERS:
+        return f"its pre-tokenizer ({', '.join(sorted(kinds - CUTTABLE_PRE_TOKENIZERS)) or 'none'}) is not one known"
+    for added in spec.get("added_tokens", []):
+        content = added.get("content", "")
+        # rstrip takes in the space after a cut; lstrip the space before a word that is an added token
+        lstrip_word = added.get("lstrip") and content[:1].isascii() and content[:1].isalpha()
+        if added.get("rstrip") or lstrip_word or any(c.isspace() for c in content):
+            return f"its added token {content!r} takes in the whitespace around it"
+    tok = Tokenizer.from_file(str(path))
+    tok.no_truncation()
+    text = probe_text()
+    cuts = [m.start() for m in PIECE_CUT.finditer(text)]
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    whole = tok.encode(text, add_special_tokens=False).ids
+    if [t for e in tok.encode_batch(pieces, add_special_tokens=False) for t in e.ids] != whole:
+        return "a probe text cut at those places gave other token ids than whole"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -234,15 +445,18 @@ class SplitWriter:
         f.seek(size)
         return f
 
-    def write(self, texts: list[str], ids: np.ndarray, n_bytes: int) -> None:
+    def write(self, task: Task, ids: np.ndarray, n_bytes: int) -> None:
         ids.tofile(self.bin)
         if self.jsonl is not None:
-            lines = "".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts).encode(
-                "utf-8", "surrogatepass"
-            )
-            self.jsonl.write(lines)
-            self.counts["jsonl_bytes"] += len(lines)
-        self.counts["documents"] += len(texts)
+            if task.joined:  # a long document's line, written piece by piece (JSON escapes each character alone)
+                text = "".join(json.dumps(t, ensure_ascii=False)[1:-1] for t in task.texts)
+                lines = ('{"text": "' if task.starts else "") + text + ('"}\n' if task.ends else "")
+            else:
+                lines = "".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in task.texts)
+            data = lines.encode("utf-8", "surrogatepass")
+            self.jsonl.write(data)
+            self.counts["jsonl_bytes"] += len(data)
+        self.counts["documents"] += int(task.ends) if task.joined else len(task.texts)
         self.counts["tokens"] += ids.size
         self.counts["bytes"] += n_bytes
 
@@ -279,7 +493,12 @@ def validate(cfg: Config) -> None:
     parse_bpe_spec(cfg.tokenizer)
     for spec in cfg.dataset:
         if spec not in lmdata.HUB_PRESETS and spec not in lmdata.BUILTIN_SOURCES:
-            lmdata.resolve_local_files(spec)
+            lmdata.resolve_local_files(spec, own_dirs(Path(cfg.output_dir).expanduser().resolve()))
+
+
+def own_dirs(out_dir: Path) -> tuple[Path, Path]:
+    """The output directory and its work directory: never read as a source, wherever a --dataset directory is."""
+    return out_dir, out_dir.parent / f".{out_dir.name}.partial"
 
 
 def check_output_dir(out_dir: Path, fp: str, overwrite: bool) -> bool:
@@ -293,16 +512,19 @@ def check_output_dir(out_dir: Path, fp: str, overwrite: bool) -> bool:
     if not entries:
         return False
     foreign = [name for name in entries if name not in OWN_FILES]
+    meta, why = None, "no meta.json of prepare_data.py"
     try:
         meta = json.loads((out_dir / "meta.json").read_text())
-        ours = isinstance(meta, dict) and "fingerprint" in meta and meta.get("command", [""])[0] == "prepare_data.py"
-    except (OSError, ValueError):
-        meta, ours = None, False
+    except ValueError as e:
+        why = f"its meta.json is not valid JSON ({e}), so nothing shows prepare_data.py wrote it"
+    except OSError:
+        pass
+    ours = isinstance(meta, dict) and "fingerprint" in meta and (meta.get("command") or [""])[:1] == ["prepare_data.py"]
     if foreign or not ours:
         held = (
             f"{len(foreign)} other entries: {', '.join(foreign[:4])}{', ...' if len(foreign) > 4 else ''}"
             if foreign
-            else "no meta.json of prepare_data.py"
+            else why
         )
         raise UserError(
             f"--output_dir {out_dir} exists and is not a directory prepare_data.py wrote ({held}); nothing was "
@@ -372,19 +594,61 @@ def bpe_sample(sources: list[lmdata.Source], fraction: float) -> Iterator[str]:
     seen = 0
     for source in sources:
         for text, target in lmdata.routed_documents(source, fraction):
-            if target == "train":
-                yield text
-                seen += len(text)
+            if target != "train":
+                continue
+            # the trainer counts pre-tokens per text: pieces cut at PIECE_CUT give a byte-level BPE the same counts
+            for piece in document_pieces(text, PIECE_CHARS, PIECE_CUT) if not isinstance(text, str) else [text]:
+                yield piece
+                seen += len(piece)
                 if seen >= BPE_SAMPLE_CHARS:
                     return
 
 
+class Batches:
+    """Documents gathered per output split into tokenizer tasks of up to BATCH_DOCS documents or BATCH_CHARS of text."""
+
+    def __init__(self):
+        self.texts: dict[str, list[str]] = collections.defaultdict(list)
+        self.chars: collections.Counter = collections.Counter()
+
+    def add(self, split: str, text: str) -> Iterator[Task]:
+        self.texts[split].append(text)
+        self.chars[split] += len(text)
+        if len(self.texts[split]) >= BATCH_DOCS or self.chars[split] >= BATCH_CHARS:
+            yield from self.flush(split)
+
+    def flush(self, split: str | None = None) -> Iterator[Task]:
+        for name in [split] if split else list(self.texts):
+            if self.texts.get(name):
+                self.chars[name] = 0
+                yield Task(name, self.texts.pop(name))
+
+
+def piece_tasks(split: str, doc: str | lmdata.FileText, cut: re.Pattern | None) -> Iterator[Task]:
+    """One long document as tasks of its consecutive pieces, about BATCH_CHARS of text each."""
+    pieces, chars, first = [], 0, True
+    for piece in document_pieces(doc, PIECE_CHARS, cut):
+        if chars >= BATCH_CHARS:
+            yield Task(split, pieces, joined=True, starts=first, ends=False)
+            pieces, chars, first = [], 0, False
+        pieces.append(piece)
+        chars += len(piece)
+    yield Task(split, pieces, joined=True, starts=first, ends=True)
+
+
 def make_tasks(
-    sources: list[lmdata.Source], cfg: Config, start: dict, per_source: list[dict], bar, by_bytes: bool
+    sources: list[lmdata.Source],
+    cfg: Config,
+    start: dict,
+    per_source: list[dict],
+    bar,
+    by_bytes: bool,
+    uncut: str | None,
 ) -> Iterator[Task]:
     """The tokenizer tasks of every source in order, with a checkpoint every --checkpoint_mb of text and at the end
-    of each source. From a checkpoint (start), the documents it covers are read again (for the counts) but not sent."""
-    every = cfg.checkpoint_mb * 1_000_000
+    of each source. From a checkpoint (start), the documents it covers are read again (for the counts) but not sent.
+    Documents over PIECE_CHARS go in pieces, unless `uncut` says why this tokenizer's cannot be cut."""
+    every, cut, noted = cfg.checkpoint_mb * 1_000_000, None if uncut else PIECE_CUT, False
     for si, source in enumerate(sources):
         if si < start["source"]:
             bar.update(source.total_bytes if by_bytes else 0)
@@ -397,8 +661,7 @@ def make_tasks(
         skip = start["documents"] if si == start["source"] else 0
         source.stats.reset()  # counted afresh, also over what a checkpoint covers
         counts: collections.Counter = collections.Counter()
-        pending: dict[str, list[str]] = collections.defaultdict(list)
-        pending_chars: collections.Counter = collections.Counter()
+        batches = Batches()
         since_checkpoint, n, last_read = 0, 0, 0
         for n, (text, target) in enumerate(lmdata.routed_documents(source, cfg.validation_fraction), 1):
             counts[target] += 1
@@ -406,33 +669,39 @@ def make_tasks(
             last_read = source.stats.read_bytes
             if n <= skip:
                 continue
-            pending[target].append(text)
-            pending_chars[target] += len(text)
+            if uncut and len(text) >= WHOLE_NOTE_CHARS and not noted:
+                print(f"note: documents of {len(text):,} characters are tokenized whole: {uncut}", file=sys.stderr)
+                noted = True
+            if isinstance(text, lmdata.FileText) or (cut and len(text) > PIECE_CHARS):
+                yield from batches.flush(target)  # this split's earlier documents first
+                yield from piece_tasks(target, text, cut)
+            else:
+                yield from batches.add(target, text)
             since_checkpoint += len(text)
-            if len(pending[target]) >= BATCH_DOCS or pending_chars[target] >= BATCH_CHARS:
-                yield Task(target, pending.pop(target))
-                pending_chars[target] = 0
             if since_checkpoint >= every:
-                yield from (Task(split, texts) for split, texts in pending.items())
-                pending.clear()
-                pending_chars.clear()
+                yield from batches.flush()
                 since_checkpoint = 0
                 yield Task("", None, {"source": si, "documents": n})
-        yield from (Task(split, texts) for split, texts in pending.items())
-        if not counts["train"]:
-            raise UserError(f"--dataset {source.spec} has no training documents (empty corpus); point it at text")
-        if "validation" not in source.splits and not counts["validation"]:
-            hint = (
-                ", or split the file into documents with --doc_separator (blank_line or a literal string)"
-                if source.single_document
-                else ""
-            )
-            raise UserError(
-                f"--dataset {source.spec}: none of its {counts['train']} documents fell in the validation split at "
-                f"--validation_fraction {cfg.validation_fraction}; raise it or add documents{hint}"
-            )
+        yield from batches.flush()
+        check_counts(source, counts, cfg.validation_fraction)
         per_source[si] = {**source.identity, **source.stats.counts(), "documents": dict(counts)}
         yield Task("", None, {"source": si + 1, "documents": 0})
+
+
+def check_counts(source: lmdata.Source, counts: collections.Counter, fraction: float) -> None:
+    """A source read to its end has training documents, and held-out ones when it has no validation split."""
+    if not counts["train"]:
+        raise UserError(f"--dataset {source.spec} has no training documents (empty corpus); point it at text")
+    if "validation" not in source.splits and not counts["validation"]:
+        hint = (
+            ", or split the file into documents with --doc_separator (blank_line or a literal string)"
+            if source.single_document
+            else ""
+        )
+        raise UserError(
+            f"--dataset {source.spec}: none of its {counts['train']} documents fell in the validation split at "
+            f"--validation_fraction {fraction}; raise it or add documents{hint}"
+        )
 
 
 def auto_num_proc(sources: list[lmdata.Source]) -> int:
@@ -444,19 +713,24 @@ def auto_num_proc(sources: list[lmdata.Source]) -> int:
 
 
 def tokenize_all(
-    cfg: Config, sources: list[lmdata.Source], tmp_dir: Path, tokenizer, dtype: np.dtype, fp: str, resume: dict | None
+    cfg: Config,
+    sources: list[lmdata.Source],
+    tmp_dir: Path,
+    tokenizer,
+    dtype: np.dtype,
+    stamp: dict,
+    resume: dict | None,
 ) -> dict:
-    """Stream every source through the tokenizer into tmp_dir, from the checkpoint `resume` when given. Returns the
-    counts per split and per source, and the tokens this run wrote."""
-    from multiprocessing import get_context
-
+    """Stream every source through the tokenizer into tmp_dir, from the checkpoint `resume` when given; every
+    checkpoint's progress.json carries `stamp` (fingerprint, tokenizer identity). Returns the counts per split and per
+    source, and the tokens this run wrote. A tokenizer process that dies raises WorkerDied."""
     counts = resume["splits"] if resume else {}
     writers: dict[str, SplitWriter] = {}
     per_source = resume["sources"] if resume else [{} for _ in sources]
     start = resume["position"] if resume else {"source": 0, "documents": 0}
     num_proc = cfg.num_proc or auto_num_proc(sources)
     args = (str(tmp_dir / "tokenizer"), dtype.str, tokenizer.eos_token_id, num_proc == 1)
-    pool = get_context("spawn").Pool(num_proc, init_tokenizer_worker, args) if num_proc > 1 else None
+    pool = TokenizerPool(num_proc, args) if num_proc > 1 else None
     if pool is None:
         init_tokenizer_worker(*args)
     by_bytes = all(s.total_bytes for s in sources)  # the bar counts bytes read, else documents
@@ -469,36 +743,31 @@ def tokenize_all(
         smoothing=0.1,
     )
     tokens0, t0, peak_worker = sum(c["tokens"] for c in counts.values()), time.perf_counter(), 0.0
+    tasks = make_tasks(sources, cfg, start, per_source, bar, by_bytes, cut_problem(tmp_dir / "tokenizer"))
     try:
-        for task, result in in_order(
-            make_tasks(sources, cfg, start, per_source, bar, by_bytes), pool, 2 * num_proc + 2
-        ):
-            if task.texts is not None:
-                if task.split not in writers:
-                    writers[task.split] = SplitWriter(tmp_dir, task.split, dtype, counts.get(task.split))
-                ids, n_bytes, worker_rss = result
-                writers[task.split].write(task.texts, ids, n_bytes)
-                peak_worker = max(peak_worker, worker_rss)
-                counts[task.split] = writers[task.split].counts
-                done = sum(c["tokens"] for c in counts.values()) - tokens0
-                bar.set_postfix_str(f"{done / (time.perf_counter() - t0):,.0f} tokens/s", refresh=False)
-            else:
+        for task, result in in_order(tasks, pool, 2 * num_proc + 2):
+            done = sum(c["tokens"] for c in counts.values()) - tokens0
+            rate = f"{done / (time.perf_counter() - t0):,.0f} tokens/s"
+            if task.texts is None:
                 for w in writers.values():
                     w.sync()
-                write_json_atomic(
-                    tmp_dir / "progress.json",
-                    {"fingerprint": fp, "position": task.position, "splits": counts, "sources": per_source},
-                )
+                progress = {**stamp, "position": task.position, "splits": counts, "sources": per_source}
+                write_json_atomic(tmp_dir / "progress.json", progress)
                 if bar.disable:  # no terminal: a line per checkpoint instead of the bar
-                    done = sum(c["tokens"] for c in counts.values()) - tokens0
-                    print(
-                        f"checkpoint: {sum(c['tokens'] for c in counts.values()):,} tokens written, "
-                        f"{done / (time.perf_counter() - t0):,.0f} tokens/s",
-                        flush=True,
-                    )
+                    print(f"checkpoint: {done + tokens0:,} tokens written, {rate}", flush=True)
+                continue
+            if task.split not in writers:
+                writers[task.split] = SplitWriter(tmp_dir, task.split, dtype, counts.get(task.split))
+            ids, n_bytes, worker_rss = result
+            writers[task.split].write(task, ids, n_bytes)
+            peak_worker = max(peak_worker, worker_rss)
+            counts[task.split] = writers[task.split].counts
+            bar.set_postfix_str(rate, refresh=False)
+    except BrokenProcessPool:
+        raise WorkerDied(pool.death()) from None
     except BaseException:
         if pool is not None:
-            pool.terminate()
+            pool.stop()
         raise
     finally:
         bar.close()
@@ -506,7 +775,6 @@ def tokenize_all(
             w.close()
     if pool is not None:
         pool.close()
-        pool.join()
     return {
         "splits": counts,
         "sources": per_source,
@@ -515,81 +783,134 @@ def tokenize_all(
     }
 
 
-def open_partial(out_dir: Path, fp: str):
-    """The work directory .DIR.partial, locked against a second run, and the checkpoint to resume from (None: fresh)."""
-    tmp_dir = out_dir.parent / f".{out_dir.name}.partial"
+def open_partial(out_dir: Path, fp: str, n_sources: int):
+    """The work directory .DIR.partial, locked against a second run, and the checkpoint to resume from (None: fresh).
+    A partial output of other inputs, or a damaged one (it is this script's own), is cleared for a fresh start."""
+    tmp_dir = own_dirs(out_dir)[1]
+    if tmp_dir.exists() and not tmp_dir.is_dir():
+        raise UserError(
+            f"{tmp_dir} is a file, not prepare_data.py's work directory; move it away or rename --output_dir"
+        )
     tmp_dir.mkdir(parents=True, exist_ok=True)
     lock = open(tmp_dir / ".lock", "w")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise UserError(f"another prepare_data.py is writing {tmp_dir}; wait for it or stop it first") from None
-    progress = None
+    progress, damage = None, None
     try:
         progress = json.loads((tmp_dir / "progress.json").read_text())
-        if progress.get("fingerprint") != fp or not (tmp_dir / "tokenizer").is_dir():
-            progress = None
-    except (OSError, ValueError):
+        damage = progress_damage(progress, n_sources) if isinstance(progress, dict) else "not a JSON object"
+    except FileNotFoundError:
         pass
-    if progress is None:
-        for p in tmp_dir.iterdir():
-            if p.name != ".lock":
-                shutil.rmtree(p) if p.is_dir() else p.unlink()
-        (tmp_dir / "fingerprint").write_text(fp + "\n")
+    except (OSError, ValueError) as e:
+        damage = f"not valid JSON ({e})"
+    if damage:
+        print(f"note: {tmp_dir}/progress.json is damaged ({damage}); starting afresh")
+    if damage or not progress or progress.get("fingerprint") != fp or not (tmp_dir / "tokenizer").is_dir():
+        progress = None
+        clear_partial(tmp_dir, fp)
     return tmp_dir, lock, progress
+
+
+def progress_damage(progress: dict, n_sources: int) -> str | None:
+    """What is wrong with a partial output's progress.json, None when it is whole."""
+    position, splits, sources = progress.get("position"), progress.get("splits"), progress.get("sources")
+    if not (isinstance(position, dict) and all(isinstance(position.get(k), int) for k in ("source", "documents"))):
+        return "no checkpoint position"
+    if not 0 <= position["source"] <= n_sources or position["documents"] < 0:
+        return f"position {position} is outside the {n_sources} sources"
+    keys = ("documents", "tokens", "bytes", "jsonl_bytes")
+    if not (
+        isinstance(splits, dict)
+        and all(isinstance(c, dict) and all(isinstance(c.get(k), int) for k in keys) for c in splits.values())
+    ):
+        return "no per-split counts"
+    if not (isinstance(sources, list) and len(sources) == n_sources):
+        return "no per-source counts"
+    return None
+
+
+def clear_partial(tmp_dir: Path, fp: str) -> None:
+    for p in tmp_dir.iterdir():
+        if p.name != ".lock":
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    (tmp_dir / "fingerprint").write_text(fp + "\n")
+
+
+def resumed_tokenizer(tmp_dir: Path, progress: dict):
+    """The partial output's own tokenizer, or None (with a note) when the partial output is damaged: a tokenizer that
+    does not load, or a file shorter than its checkpoint says (cutting it back to that size would pad it with zeros)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tmp_dir / "tokenizer")
+        itemsize = lmdata.token_dtype(len(tokenizer)).itemsize
+        for split, c in progress["splits"].items():
+            for path, size in (
+                (lmdata.split_file(tmp_dir, split), c["tokens"] * itemsize),
+                (tmp_dir / f"{split}.jsonl", c["jsonl_bytes"]),
+            ):
+                if size and (not path.is_file() or path.stat().st_size < size):
+                    raise ValueError(f"{path.name} is shorter than its last checkpoint")
+    except Exception as e:  # noqa: BLE001 - whatever is damaged, the remedy is the same: start afresh
+        print(
+            f"note: {tmp_dir} cannot be resumed ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+            "starting afresh"
+        )
+        return None
+    return tokenizer
 
 
 def prepare(cfg: Config, argv: list[str]) -> Path:
     out_dir = Path(cfg.output_dir).expanduser().resolve()
     validate(cfg)
     t0 = time.perf_counter()
-    sources = [lmdata.open_source(spec, cfg.text_field, cfg.doc_separator) for spec in cfg.dataset]
-    tok_id = tokenizer_identity(cfg.tokenizer)
+    sources = [
+        lmdata.open_source(spec, cfg.text_field, cfg.doc_separator, exclude=own_dirs(out_dir)) for spec in cfg.dataset
+    ]
+    left_out = list(dict.fromkeys(str(d) for s in sources for d in s.skipped))
+    if left_out:
+        print(f"note: --dataset: left out {', '.join(left_out)} (prepare_data.py's own output or work directories)")
+    tok_id = recorded_identity(tokenizer_identity(cfg.tokenizer), out_dir, own_dirs(out_dir)[1])
     fp = fingerprint(cfg, [s.identity for s in sources], tok_id)
     if check_output_dir(out_dir, fp, cfg.overwrite):
         return out_dir
 
-    tmp_dir, lock, resume = open_partial(out_dir, fp)
+    tmp_dir, lock, resume = open_partial(out_dir, fp, len(sources))
     try:
-        if resume:
+        tokenizer = resumed_tokenizer(tmp_dir, resume) if resume else None
+        if tokenizer is not None:
             pos = resume["position"]
             print(
                 f"resuming {tmp_dir} from its last checkpoint: source {pos['source'] + 1} of {len(sources)}, "
                 f"{pos['documents']:,} documents in, {sum(c['tokens'] for c in resume['splits'].values()):,} tokens "
                 "written"
             )
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(tmp_dir / "tokenizer")
         else:
+            resume = None
+            clear_partial(tmp_dir, fp)
             tokenizer = load_tokenizer(cfg.tokenizer, bpe_sample(sources, cfg.validation_fraction))
             tokenizer.save_pretrained(tmp_dir / "tokenizer")
         dtype = lmdata.token_dtype(len(tokenizer))
         t1 = time.perf_counter()
-        result = tokenize_all(cfg, sources, tmp_dir, tokenizer, dtype, fp, resume)
+        stamp = {"fingerprint": fp, "tokenizer_identity": tok_id}
+        result = tokenize_all(cfg, sources, tmp_dir, tokenizer, dtype, stamp, resume)
         tok_s = time.perf_counter() - t1
-        split_meta = {s: {k: c[k] for k in ("documents", "tokens", "bytes")} for s, c in result["splits"].items()}
-        meta = {
-            "format_version": lmdata.FORMAT_VERSION,
-            "dtype": dtype.name,
-            "vocab_size": len(tokenizer),
-            "eos_id": tokenizer.eos_token_id,
-            "tokenizer": cfg.tokenizer,
-            "tokenizer_identity": tok_id,
-            "split_rule": SPLIT_RULE,
-            "splits": {s: split_meta[s] for s in lmdata.SPLITS if s in split_meta},
-            "sources": result["sources"],
-            "fingerprint": fp,
-            "command": ["prepare_data.py", *argv],
-        }
+        meta = output_meta(cfg, argv, tokenizer, dtype, stamp, result)
         for name in ("progress.json", "fingerprint"):
-            (tmp_dir / name).unlink()
+            (tmp_dir / name).unlink(missing_ok=True)
         write_json_atomic(tmp_dir / "meta.json", meta)
         (tmp_dir / ".lock").unlink()
         cli.replace_dir(tmp_dir, out_dir)
     except UserError:
         shutil.rmtree(tmp_dir, ignore_errors=True)  # bad input: the partial work cannot be continued with other input
         raise
+    except WorkerDied as e:
+        raise WorkerDied(
+            f"{e}; the partial output stays in {tmp_dir}: run the same command again to continue from its last "
+            "checkpoint"
+        ) from None
     except BaseException:
         if tmp_dir.exists():
             print(
@@ -603,6 +924,23 @@ def prepare(cfg: Config, argv: list[str]) -> Path:
 
     report(out_dir, meta, result["tokens_this_run"] / tok_s, time.perf_counter() - t0, result["peak_worker_mib"])
     return out_dir
+
+
+def output_meta(cfg: Config, argv: list[str], tokenizer, dtype: np.dtype, stamp: dict, result: dict) -> dict:
+    split_meta = {s: {k: c[k] for k in ("documents", "tokens", "bytes")} for s, c in result["splits"].items()}
+    return {
+        "format_version": lmdata.FORMAT_VERSION,
+        "dtype": dtype.name,
+        "vocab_size": len(tokenizer),
+        "eos_id": tokenizer.eos_token_id,
+        "tokenizer": cfg.tokenizer,
+        "tokenizer_identity": stamp["tokenizer_identity"],
+        "split_rule": SPLIT_RULE,
+        "splits": {s: split_meta[s] for s in lmdata.SPLITS if s in split_meta},
+        "sources": result["sources"],
+        "fingerprint": stamp["fingerprint"],
+        "command": ["prepare_data.py", *argv],
+    }
 
 
 def report(out_dir: Path, meta: dict, tokens_per_s: float, total_s: float, peak_worker_mib: float | None) -> None:
@@ -645,6 +983,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except WorkerDied as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         return 130
     return 0
