@@ -3,7 +3,6 @@
     OUT/checkpoints/.tmp-step_N   written by every rank (accelerator.save_state), then renamed by one process per
     OUT/checkpoints/step_N        filesystem to step_N, with trainer_state.json inside; `latest` moves last
     OUT/final                     a plain Hugging Face model directory (gathered from the ZeRO-3 shards)
-    OUT/metrics.jsonl             on resume, cut back to the checkpoint's step
 
 A kill at any moment leaves the last complete checkpoint as it was.
 """
@@ -16,14 +15,14 @@ import json
 import os
 import re
 import shutil
-import signal
 import time
 from pathlib import Path
 
 import torch
 
-import plan
-from cli import UserError, injected_fault, replace_dir, write_atomic, write_json_atomic
+import models
+from cli import UserError, fault, remove, replace_dir, write_atomic, write_json_atomic
+from metrics import truncate_metrics
 
 # Settings that change what a run reports or where it reads and writes, not what it trains: free to change on resume.
 RESUME_CHANGEABLE = {
@@ -58,8 +57,18 @@ MARKER = "train_run.json"  # written into OUT before anything else: the only dir
 def check_output_dir(output_dir: str, resume: str) -> None:
     """--output_dir and --resume, checked before a checkpoint's settings are read from them."""
     out = Path(output_dir)
+    try:
+        str(out.absolute()).encode("utf-8")
+    except UnicodeEncodeError:  # tokenizers and JSON writers fail on such a path only at the end of the run
+        raise UserError(f"--output_dir {output_dir!r} is not valid UTF-8; choose a name in UTF-8") from None
+    if out.is_symlink() and not out.exists():
+        raise UserError(f"--output_dir {output_dir} is a symlink to {os.readlink(out)}, which does not exist")
     if out.exists() and not out.is_dir():
         raise UserError(f"--output_dir {output_dir} is a file, not a directory; choose a directory")
+    for name, kind in ((MARKER, "file"), ("checkpoints", "directory"), ("final", "directory")):
+        path = out / name
+        if path.exists() and not (path.is_file() if kind == "file" else path.is_dir()):
+            raise UserError(f"{path} is not a {kind}, and train.py writes one there; move it away")
     if out.exists() and any(out.iterdir()):
         if not resume:
             raise UserError(
@@ -131,31 +140,6 @@ def config_for_resume(cfg, given: set[str], saved: dict):
     return dataclasses.replace(cfg, **taken), taken
 
 
-def schedule_on_resume(cfg, given: set[str], total_steps: int, state: dict) -> str | None:
-    """A resumed run keeps its LR schedule unless the command re-plans it with --lr_decay_steps. Returns a line saying
-    how the LR at the resume step changes when it does; raises when --max_steps or --num_epochs alone would stretch
-    it."""
-    saved = state.get("config", {})
-    old_len = saved.get("lr_decay_steps") or state["total_steps"]
-    new_len = cfg.lr_decay_steps or total_steps
-    if new_len == old_len:
-        return None
-    step = state["step"]
-    old_lr = plan.lr_at(step, cfg.lr, cfg.warmup_steps, old_len, cfg.min_lr_ratio)
-    new_lr = plan.lr_at(step, cfg.lr, cfg.warmup_steps, new_len, cfg.min_lr_ratio)
-    if "lr_decay_steps" not in given:
-        raise UserError(
-            f"cannot resume: this command makes the LR schedule {new_len} steps long, the run's is "
-            f"{old_len} (the LR at step {step} would jump from {old_lr:.3g} to {new_lr:.3g}); give "
-            f"--lr_decay_steps {new_len} to re-plan the schedule, or --lr_decay_steps {old_len} to keep it "
-            f"and train on at its floor"
-        )
-    return (
-        f"re-planned LR schedule: {old_len} -> {new_len} steps; the LR at step {step} goes from {old_lr:.3g} "
-        f"to {new_lr:.3g}"
-    )
-
-
 def config_hash(model_config) -> str:
     """What identifies a model's architecture in trainer_state.json: its config without names and versions."""
     d = model_config.to_diff_dict() if hasattr(model_config, "to_diff_dict") else dict(model_config)
@@ -167,9 +151,9 @@ def config_hash(model_config) -> str:
 def read_model_config(ckpt: Path):
     """The model config a checkpoint was trained with (saved beside its shards): a resume needs nothing else."""
     where = str(ckpt / "model_config.json")
-    d = plan.read_config_json(ckpt / "model_config.json", where)
-    plan.check_model_fields(d, where)
-    return plan.build_model_config(d, where)
+    d = models.read_config_json(ckpt / "model_config.json", where)
+    models.check_model_fields(d, where)
+    return models.build_model_config(d, where)
 
 
 def check_resume_compatible(state: dict, current: dict, ckpt: Path) -> None:
@@ -191,7 +175,9 @@ def check_resume_compatible(state: dict, current: dict, ckpt: Path) -> None:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-STEP_DIR = re.compile(r"step_(\d+)")
+STEP_DIR = re.compile(r"step_(0|[1-9][0-9]*)")  # exactly what save_checkpoint writes: no step_04, no other digits
+LEFTOVER = re.compile(r"\.tmp-step_(0|[1-9][0-9]*)|\.step_(0|[1-9][0-9]*)\.stale|\.rank0-[0-9a-f]{16}")
+ABANDONED = re.compile(r"abandoned-[0-9]{8}-[0-9]{6}")
 
 
 def step_of(path: Path) -> int | None:
@@ -204,7 +190,8 @@ def step_dirs(ckpt_root: Path) -> list[Path]:
     """The step_N directories, oldest first, complete or not; other names are never parsed or touched."""
     if not ckpt_root.is_dir():
         return []
-    return sorted((p for p in ckpt_root.iterdir() if p.is_dir() and step_of(p) is not None), key=step_of)
+    found = (p for p in ckpt_root.iterdir() if p.is_dir() and not p.is_symlink() and step_of(p) is not None)
+    return sorted(found, key=step_of)
 
 
 def write_manifest(ckpt: Path) -> None:
@@ -219,18 +206,20 @@ def checkpoint_problem(ckpt: Path) -> str | None:
     their trainer_state.json alone."""
     try:
         state = json.loads((ckpt / "trainer_state.json").read_text())
-        if not isinstance(state, dict) or not isinstance(state.get("step"), int):
-            return "trainer_state.json has no step"
     except FileNotFoundError:
         return "no trainer_state.json (a run died while writing it)"
     except (OSError, ValueError) as e:
         return f"trainer_state.json is unreadable ({type(e).__name__})"
+    problem = state_problem(state, step_of(ckpt))
+    if problem is not None:
+        return f"trainer_state.json {problem}"
     manifest = ckpt / "manifest.json"
     if not manifest.exists():
         return None
     try:
         files = json.loads(manifest.read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError):
+        files = {str(name): int(size) for name, size in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return "manifest.json is unreadable"
     for name, size in files.items():
         path = ckpt / name
@@ -238,6 +227,20 @@ def checkpoint_problem(ckpt: Path) -> str | None:
             return f"{name} is missing"
         if path.stat().st_size != size:
             return f"{name} has {path.stat().st_size} bytes, the manifest says {size}"
+    return None
+
+
+def state_problem(state, step: int | None) -> str | None:
+    """What is wrong with a trainer_state.json's content for resuming from step_N (None: nothing)."""
+    if not isinstance(state, dict):
+        return "is not a JSON object"
+    for key in ("step", "total_steps", "tokens_seen"):
+        if not isinstance(state.get(key), int) or isinstance(state.get(key), bool) or state[key] < 0:
+            return f"has no valid {key}"
+    if step is not None and state["step"] != step:
+        return f"says step {state['step']}, not {step} (a copy under another name?)"
+    if not isinstance(state.get("config", {}), dict):
+        return "has no valid config"
     return None
 
 
@@ -261,6 +264,14 @@ def newest_intact_checkpoint(ckpt_root: Path, say) -> Path | None:
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class Resume:
+    """The checkpoint a run continues from and its trainer_state.json."""
+
+    path: Path
+    state: dict
+
+
 def find_resume_checkpoint(resume: str, ckpt_root: Path, accelerator) -> Path | None:
     """The checkpoint to resume from, the same on every rank. With node-local disks each machine sees only its own
     copies, and a kill between two machines' renames leaves them at different steps: all take the oldest."""
@@ -273,11 +284,18 @@ def find_resume_checkpoint(resume: str, ckpt_root: Path, accelerator) -> Path | 
         return None
     mine = newest_intact_checkpoint(ckpt_root, accelerator.print)
     step = step_of(mine) if mine is not None else -1
+    all_damaged = int(mine is None and bool(step_dirs(ckpt_root)))
     lowest, highest = step, step
     if accelerator.num_processes > 1:
-        steps = torch.tensor([step, -step], device=accelerator.device)
+        steps = torch.tensor([step, -step, -all_damaged], device=accelerator.device)
         torch.distributed.all_reduce(steps, op=torch.distributed.ReduceOp.MIN)
-        lowest, highest = int(steps[0]), -int(steps[1])
+        lowest, highest, all_damaged = int(steps[0]), -int(steps[1]), -int(steps[2])
+    if highest < 0 and all_damaged:
+        raise UserError(
+            f"--resume auto: no checkpoint in {ckpt_root} is intact (see the warnings above), and starting over "
+            f"would replace this run's metrics and model; resume one by hand with --resume, or start a new "
+            f"--output_dir"
+        )
     if highest < 0:
         return None
     if lowest < 0:
@@ -324,12 +342,17 @@ def remove_leftovers(ckpt_root: Path, finished: bool) -> list[str]:
     """What earlier runs in OUT left that nothing will read: half-written checkpoints (.tmp-step_N), old copies a
     crash left beside their replacement (.step_N.stale, when step_N is there), markers of crashed starts; once the
     run has finished, also the branches an explicit --resume set aside. Returns the names removed."""
-    doomed = list(ckpt_root.glob(".tmp-step_*")) + list(ckpt_root.glob(".rank0-*"))
-    doomed += [p for p in ckpt_root.glob(".step_*.stale") if (ckpt_root / p.name[1 : -len(".stale")]).is_dir()]
-    if finished:
-        doomed += list(ckpt_root.glob("abandoned-*"))
+    if not ckpt_root.is_dir():
+        return []
+    doomed = []
+    for p in ckpt_root.iterdir():
+        match = LEFTOVER.fullmatch(p.name)
+        if match and (match.group(2) is None or (ckpt_root / f"step_{match.group(2)}").is_dir()):
+            doomed.append(p)
+        elif finished and ABANDONED.fullmatch(p.name) and p.is_dir() and not p.is_symlink():
+            doomed.append(p)
     for p in doomed:
-        shutil.rmtree(p) if p.is_dir() else p.unlink()
+        remove(p)
     return sorted(p.name for p in doomed)
 
 
@@ -376,19 +399,23 @@ def write_failure(tmp: Path, error: BaseException, last_good: Path | None) -> Ch
     )
 
 
-def save_checkpoint(
-    accelerator,
-    ckpt_root: Path,
-    step: int,
-    state: dict,
-    keep_last: int,
-    resumed_from: Path | None,
-    finaliser: bool,
-    model_config,
-) -> Path:
+@dataclasses.dataclass(frozen=True)
+class Save:
+    """A checkpoint to write: where, at which step, its trainer_state.json and model config, how many to keep."""
+
+    ckpt_root: Path
+    step: int
+    state: dict
+    model_config: object
+    keep_last: int
+
+
+def save_checkpoint(accelerator, save: Save, resumed_from: Path | None, finaliser: bool) -> Path:
     """Every rank writes its shards into .tmp-step_N; once all have, the finaliser of each filesystem (see
     first_process_on_disk) adds trainer_state.json, the model config and the manifest, renames it to step_N, moves
-    `latest` and prunes. Raises CheckpointWriteError, with step_N untouched, when the disk refuses a write."""
+    `latest` and prunes (never the checkpoint this run resumed from). Raises CheckpointWriteError, with step_N
+    untouched, when the disk refuses a write."""
+    ckpt_root, step = save.ckpt_root, save.step
     final = ckpt_root / f"step_{step}"
     tmp = ckpt_root / f".tmp-step_{step}"
     last_good = newest_intact_checkpoint(ckpt_root, lambda _: None) if finaliser else None
@@ -401,49 +428,75 @@ def save_checkpoint(
         if finaliser and not accelerator.is_main_process:  # node-local disk: Accelerate saves these on rank 0 only
             for i, obj in enumerate(accelerator._custom_objects):
                 torch.save(obj.state_dict(), tmp / f"custom_checkpoint_{i}.pkl")
-        for kind, sig in (("sigkill_in_save", signal.SIGKILL), ("sigterm_in_save", signal.SIGTERM)):
-            if injected_fault(kind, accelerator.process_index, step):
-                os.kill(os.getpid(), sig)
+        fault("sigkill_in_save", accelerator.process_index, step)
+        fault("sigterm_in_save", accelerator.process_index, step)
         accelerator.wait_for_everyone()
         if finaliser:
-            write_json_atomic(tmp / "trainer_state.json", state)
-            model_config.to_json_file(tmp / "model_config.json")
+            write_json_atomic(tmp / "trainer_state.json", save.state)
+            save.model_config.to_json_file(tmp / "model_config.json")
             write_manifest(tmp)
             replace_dir(tmp, final)  # a step_N of an earlier attempt at this step is replaced whole
             write_atomic(ckpt_root / "latest", final.name + "\n")
-    except (OSError, RuntimeError) as e:  # torch reports a full disk as "basic_ios::clear: iostream error"
+    except Exception as e:  # noqa: BLE001 - torch says "basic_ios::clear: iostream error", safetensors SafetensorError
         raise write_failure(tmp, e, last_good) from None
-    if finaliser:
-        intact = [p for p in step_dirs(ckpt_root) if checkpoint_problem(p) is None]
-        for old in intact[:-keep_last]:
-            if old != final and (resumed_from is None or old.resolve() != resumed_from.resolve()):
+    if finaliser:  # keep the newest keep_last intact checkpoints; damaged ones before them can never be resumed
+        everything = step_dirs(ckpt_root)
+        intact = [p for p in everything if checkpoint_problem(p) is None]
+        kept = set(intact[-save.keep_last :]) | {final}
+        for old in everything:
+            if (
+                old not in kept
+                and step_of(old) < step
+                and (resumed_from is None or old.resolve() != resumed_from.resolve())
+            ):
                 shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
 
 
-def read_metrics(metrics_path: Path) -> tuple[list[dict], int]:
-    """The records of metrics.jsonl and the number of lines that are not one: a kill or a full disk while appending
-    tears the last line, which is dropped; no line is ever fatal."""
-    records, bad = [], 0
-    for line in metrics_path.read_text(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-            if isinstance(record, dict) and isinstance(record.get("step"), int):
-                records.append(record)
-            elif line.strip():
-                bad += 1
-        except ValueError:
-            bad += 1
-    return records, bad
+def load_checkpoint(run, parts) -> None:
+    """Load the checkpoint run.resume names (run, parts: train.py's Run and Parts). Only once it has loaded does an
+    explicit --resume from an older checkpoint move the newer ones aside, so a failed load changes nothing."""
+    path = run.resume.path
+    try:
+        parts.accelerator.load_state(str(path))
+    except Exception as e:  # noqa: BLE001 - DeepSpeed and torch raise many kinds for one damaged file
+        raise UserError(
+            f"cannot load checkpoint {path}: {type(e).__name__}: {str(e).splitlines()[0][:300]}; resume from an "
+            f"older checkpoint with --resume {path.parent}/step_N"
+        ) from None
+    if run.cfg.resume != "auto" and parts.finaliser:
+        moved = set_aside_newer(path.parent, path)
+        if moved is not None:
+            print(moved)
+    parts.accelerator.print(
+        f"resumed from {path} at step {run.resume.state['step']} ({run.resume.state['tokens_seen']:,} tokens seen)"
+    )
 
 
-def truncate_metrics(metrics_path: Path, step: int) -> int:
-    """Lines logged after the checkpoint by the run that died would be logged again: drop them, and any torn line.
-    Returns the number of torn lines dropped."""
-    records, bad = read_metrics(metrics_path)
-    write_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in records if r["step"] <= step))
-    return bad
+def start_outputs(run, accelerator, mem_before_model_gib: float) -> None:
+    """metrics.jsonl (a resumed run's, cut back to its checkpoint), config.json and the tracker."""
+    cfg, out = run.cfg, Path(run.cfg.output_dir)
+    if accelerator.is_main_process:
+        if run.resume is not None and (out / "metrics.jsonl").exists():
+            torn = truncate_metrics(out / "metrics.jsonl", run.resume.state["step"])
+            if torn:
+                print(f"warning: dropped {torn} torn line(s) of {out / 'metrics.jsonl'} (a write cut short)")
+        else:
+            write_atomic(out / "metrics.jsonl", "")
+        settings = {"written_by": "train.py", **dataclasses.asdict(cfg), "batch_plan": dataclasses.asdict(run.batch)}
+        write_json_atomic(
+            out / "config.json",
+            {
+                **settings,
+                "total_steps": run.total_steps,
+                "precision": run.launch.precision,
+                "peak_mem_before_model_gib": mem_before_model_gib,
+            },
+        )
+    if cfg.log_with:
+        config = {k: v for k, v in dataclasses.asdict(cfg).items() if isinstance(v, (int, float, str, bool))}
+        accelerator.init_trackers("train", config=config)
 
 
 def export_final(accelerator, model, tokenizer, out_dir: Path) -> Path:

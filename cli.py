@@ -3,12 +3,12 @@
 - field / given_fields: a Config dataclass's fields, and which of them a command line sets.
 - UserError: a mistake of the user's (a flag, a file, a directory). The message is one line that names the value,
   the constraint and the fix; main() prints it as `error: ...` and exits 2, before anything is half-written.
-- write_atomic / write_json_atomic / replace_dir: a reader, or a crash, sees the old file or directory or the whole
-  new one, never a part.
+- write_atomic / write_json_atomic / replace_dir / remove: a reader, or a crash, sees the old file or directory or
+  the whole new one, never a part; remove deletes a symlink, never what it points to.
 - quiet_console / without_noise / progress_bar: third-party start-up lines that carry no information are dropped,
   and progress bars show only on a terminal.
 - print_error: the one `error:` line a failed process leaves, seen in every kind of launch.
-- injected_fault: the crash tests' switch (TRAIN_TEST_FAULT), inert unless set.
+- FAULTS / fault: the crash tests' switch (TRAIN_TEST_FAULT), every point it can hit in one table, inert unless set.
 - exit_process: the end of a launched process (see its docstring for the crash it avoids).
 """
 
@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -46,11 +47,26 @@ def given_fields(config_class, argv: list[str]) -> set[str]:
     return set(vars(parser.parse_known_args(argv)[0]))
 
 
-def injected_fault(kind: str, rank: int, step: int) -> bool:
-    """Fault injection for the crash tests, set with TRAIN_TEST_FAULT=kind:rank:step (sigterm_launcher, nan_loss,
-    sigkill_in_save, sigterm_in_save). Real signals and real NaNs; nothing happens unless the variable names this exact
-    point."""
-    return os.environ.get("TRAIN_TEST_FAULT", "") == f"{kind}:{rank}:{step}"
+# The crash tests' switch, TRAIN_TEST_FAULT=kind:rank:step, and every point it can hit. Real signals and real NaNs;
+# inert unless the variable names this exact point.
+FAULTS = {
+    "nan_loss": "train.py: the loss of step `step` on rank `rank` becomes NaN (the caller multiplies it)",
+    "sigterm_launcher": "train.py: after step `step`, rank `rank` sends SIGTERM to its launcher (a preemption)",
+    "sigkill_in_save": "checkpoint.py: rank `rank` is killed after writing its shards of checkpoint `step`",
+    "sigterm_in_save": "checkpoint.py: rank `rank` gets SIGTERM while checkpoint `step` is written",
+}
+
+
+def fault(kind: str, rank: int, step: int) -> bool:
+    """Whether TRAIN_TEST_FAULT names this point; the signal faults are sent here."""
+    assert kind in FAULTS, kind
+    if os.environ.get("TRAIN_TEST_FAULT", "") != f"{kind}:{rank}:{step}":
+        return False
+    if kind == "sigterm_launcher":
+        os.kill(os.getppid(), signal.SIGTERM)
+    elif kind in ("sigkill_in_save", "sigterm_in_save"):
+        os.kill(os.getpid(), signal.SIGKILL if kind == "sigkill_in_save" else signal.SIGTERM)
+    return True
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -58,11 +74,15 @@ def write_atomic(path: Path, text: str) -> None:
     so what a killed writer left is overwritten by the next one, not left beside it."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:  # a full disk or a file size limit: the old file stays, and no half-written copy beside it
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
@@ -74,11 +94,19 @@ def replace_dir(tmp: Path, final: Path) -> None:
     last, so nothing is deleted before the new directory is in place; a crash between the two renames leaves the old
     one as .NAME.stale and the new one under tmp's name."""
     stale = final.with_name(f".{final.name}.stale")
-    shutil.rmtree(stale, ignore_errors=True)
-    if final.exists():
+    remove(stale)
+    if final.exists() or final.is_symlink():  # a user's symlink (dangling or not) is moved aside like a directory
         os.replace(final, stale)
     os.replace(tmp, final)
-    shutil.rmtree(stale, ignore_errors=True)
+    remove(stale)
+
+
+def remove(path: Path) -> None:
+    """Delete a file, a directory tree, or a symlink (the link, never what it points to); nothing if absent."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
 
 
 # Third-party lines that say nothing a user can act on. Matched on the message; everything else passes.
@@ -149,7 +177,6 @@ def print_error(message: str) -> None:
     """The one `error:` line on stderr. When one process fails, the launcher kills the others at once; so that the
     line is printed exactly once and always, rank 0 prints at once and any other rank only if it is still alive a few
     seconds later (rank 0 did not fail the same way, or is slower to)."""
-    import signal
     import time
 
     import torch.distributed as dist

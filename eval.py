@@ -32,8 +32,9 @@ from pathlib import Path
 import torch
 
 import cli
-import lmdata
-import plan
+import corpora
+import documents
+import models
 from cli import UserError, field, write_json_atomic
 from lmloss import make_windows, score_windows
 
@@ -119,7 +120,7 @@ def harness_detokenizer():
 
 def hub_wikitext_pages(cfg: Config) -> list[str]:
     """The pages of the harness's own WikiText dataset, for --dataset wikitext-2 / wikitext-103."""
-    offline = lmdata.hub_unreachable_reason()
+    offline = corpora.hub_unreachable_reason()
     if offline:
         raise UserError(
             f"--dataset {cfg.dataset}: {offline}; pass a local copy instead (a directory with wiki.test.raw, "
@@ -127,7 +128,7 @@ def hub_wikitext_pages(cfg: Config) -> list[str]:
         )
     from datasets import load_dataset
 
-    dsd = load_dataset(HARNESS_WIKITEXT, lmdata.HUB_PRESETS[cfg.dataset].config)
+    dsd = load_dataset(HARNESS_WIKITEXT, corpora.HUB_PRESETS[cfg.dataset].config)
     if cfg.split not in dsd:
         raise UserError(
             f"--dataset {cfg.dataset} has no '{cfg.split}' split (it has {sorted(dsd)}); pick one with --split"
@@ -138,7 +139,7 @@ def hub_wikitext_pages(cfg: Config) -> list[str]:
 def local_documents(cfg: Config) -> tuple[list[str], bool]:
     """Documents of local files for one split, and whether they are WikiText pages: a wiki.*.raw layout, or text with
     WikiText's ` = Title = ` lines, is split into the harness's pages; other text into blank-line-separated blocks."""
-    files, layout = lmdata.resolve_local_files(cfg.dataset)
+    files, layout = corpora.resolve_local_files(cfg.dataset)
     if cfg.split not in files:
         if len(files) == 1 and "train" in files and Path(cfg.dataset).expanduser().is_file():
             files = {cfg.split: files["train"]}  # a single file is whatever split the user says it is
@@ -148,20 +149,20 @@ def local_documents(cfg: Config) -> tuple[list[str], bool]:
             )
     docs, wikitext = [], False
     for path in files[cfg.split]:
-        if path.suffix not in lmdata.TEXT_SUFFIXES:
-            docs.extend(lmdata.file_documents(path, cfg.text_field, "blank_line", lmdata.SourceStats()))
+        if path.suffix not in documents.TEXT_SUFFIXES:
+            docs.extend(documents.file_documents(path, cfg.text_field, "blank_line", documents.SourceStats()))
             continue
-        text, _ = lmdata.read_text(path)
-        if lmdata.is_wikitext(text):
-            docs.extend(lmdata.harness_wikitext_pages(text))
+        text, _ = documents.read_text(path)
+        if documents.is_wikitext(text):
+            docs.extend(documents.harness_wikitext_pages(text))
             wikitext = True
-        elif layout == "wikitext" or lmdata.is_wikitext_file(path):
+        elif layout == "wikitext" or documents.is_wikitext_file(path):
             raise UserError(
                 f"{path} is named like a WikiText file but has no article title line (' = Title = '); "
                 f"it would be scored as one giant page: check the file, or rename it to score it as plain text"
             )
         else:
-            docs.extend(lmdata.split_blank_line_blocks(text))
+            docs.extend(documents.split_blank_line_blocks(text))
     return docs, wikitext
 
 
@@ -176,11 +177,11 @@ def load_documents(cfg: Config) -> tuple[list[str], list[str], str]:
             raise UserError(
                 f"{cfg.dataset} has no {cfg.split}.jsonl (prepare_data.py keeps the text of validation and test splits)"
             )
-        docs = list(lmdata.jsonl_documents(held, "text", lmdata.SourceStats()))
+        docs = list(documents.jsonl_documents(held, "text", documents.SourceStats()))
     elif cfg.dataset in ("wikitext-2", "wikitext-103"):
         docs, wikitext = hub_wikitext_pages(cfg), True
-    elif cfg.dataset in lmdata.HUB_PRESETS or cfg.dataset in lmdata.BUILTIN_SOURCES:
-        source = lmdata.open_source(cfg.dataset, cfg.text_field, "blank_line")
+    elif cfg.dataset in corpora.HUB_PRESETS or cfg.dataset in corpora.BUILTIN_SOURCES:
+        source = corpora.open_source(cfg.dataset, cfg.text_field, "blank_line")
         if cfg.split not in source.splits:
             raise UserError(
                 f"--dataset {cfg.dataset} has no '{cfg.split}' split (it has {sorted(source.splits)}); pick one with "
@@ -204,7 +205,7 @@ def check_model_files(flag: str, name: str) -> None:
     transformers reads it. A Hub id (no such directory) passes, when the Hub can be reached."""
     path = Path(name).expanduser()
     if not path.exists():
-        offline = lmdata.hub_unreachable_reason()
+        offline = corpora.hub_unreachable_reason()
         if offline:
             raise UserError(f"{flag} {name} is not a local directory and {offline}")
         return
@@ -217,10 +218,10 @@ def check_model_files(flag: str, name: str) -> None:
         raise UserError(f"{flag} {name} is a file; pass the directory that holds it")
     for json_name in MODEL_JSON_FILES:
         if (path / json_name).is_file():
-            plan.read_config_json(path / json_name, f"{flag} {name}: {json_name}")
+            models.read_config_json(path / json_name, f"{flag} {name}: {json_name}")
     if flag != "--model":
         return
-    plan.check_weight_files(path, f"--model {name}")
+    models.check_weight_files(path, f"--model {name}")
 
 
 def no_load_report(record: logging.LogRecord) -> bool:

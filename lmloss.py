@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import cli
-import lmdata
+import token_data
 
 
 def nll_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,13 +26,15 @@ def validation_loss(model, accelerator, tokens: np.ndarray, seq_len: int, micro_
     fewer windows pads with a repeat whose tokens carry no weight.
     """
     model.eval()
-    n = lmdata.num_windows(len(tokens), seq_len)
+    n = token_data.num_windows(len(tokens), seq_len)
     mine = list(range(accelerator.process_index, n, accelerator.num_processes))
     per_rank = -(-n // accelerator.num_processes)
     total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
     for start in range(0, per_rank, micro_batch_size):
         chunk = [mine[i] if i < len(mine) else None for i in range(start, min(start + micro_batch_size, per_rank))]
-        rows = torch.from_numpy(np.stack([lmdata.window(tokens, w if w is not None else 0, seq_len) for w in chunk]))
+        rows = torch.from_numpy(
+            np.stack([token_data.window(tokens, w if w is not None else 0, seq_len) for w in chunk])
+        )
         targets = rows[:, 1:].clone()
         targets[[i for i, w in enumerate(chunk) if w is None]] = -100
         logits = model(input_ids=rows[:, :-1].to(accelerator.device), use_cache=False).logits

@@ -10,15 +10,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import resource
 import time
 from pathlib import Path
 
 import torch
 
+import cli
 from cli import UserError
 
-MODEL_CONFIG_DIR = Path(__file__).resolve().parent / "model_configs"
 # Dense fp16/bf16 tensor-core peak with fp32 accumulate, FLOP/s, by substring of the CUDA device name; the longest
 # matching name wins, so "H100 PCIe" is not read as the SXM card. fp32 runs are measured against a timed matmul.
 GPU_PEAK_FLOPS = {
@@ -35,7 +36,7 @@ GIB = 2**30
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The launch, the batch and the schedule
+# The launch and the batch
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -118,216 +119,50 @@ def live_launch(accelerator) -> Launch:
     )
 
 
-def lr_at(step: int, peak_lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
-    """Learning rate for optimizer step `step` (0-based) of a `total_steps` schedule: linear warmup that reaches the
-    peak on step warmup_steps - 1, then a cosine that reaches the floor on the last step, total_steps - 1."""
-    if step < warmup_steps:
-        return peak_lr * (step + 1) / warmup_steps
-    min_lr = peak_lr * min_lr_ratio
-    top = max(warmup_steps - 1, 0)  # the step that holds the peak
-    progress = min(1.0, (step - top) / max(1, total_steps - 1 - top))
-    return min_lr + 0.5 * (peak_lr - min_lr) * (1 + math.cos(math.pi * progress))
+def start_accelerator(log_with: str, project_dir: str):
+    """The Accelerator of this process, refusing a launch whose processes would not synchronise."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, InitProcessGroupKwargs
+
+    # Launched on CPUs, DeepSpeed needs gloo named explicitly or Accelerate and DeepSpeed disagree on the world size.
+    # A plain `python train.py` has no process group to create; LOCAL_RANK is how Accelerate itself tells.
+    launched = "LOCAL_RANK" in os.environ
+    kwargs = [InitProcessGroupKwargs(backend="gloo")] if launched and not torch.cuda.is_available() else []
+    with cli.without_noise():
+        accelerator = Accelerator(log_with=log_with or None, project_dir=project_dir, kwargs_handlers=kwargs)
+    started = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if started > 1 and accelerator.distributed_type == DistributedType.NO:  # torchrun on CPUs without the variable
+        raise UserError(
+            f"{started} processes were started but Accelerate runs them as "
+            f"{accelerator.distributed_type.value}, with no gradient sync: each would train its own copy. "
+            f"On CPUs launch with ACCELERATE_USE_CPU=1 torchrun --nproc_per_node {started} train.py ..., "
+            f"or accelerate launch --config_file accelerate_configs/zero3_cpu.yaml train.py ..."
+        )
+    return accelerator
 
 
-def batch_plan(micro_batch_size: int, grad_accum_steps: int, world_size: int, seq_len: int) -> dict:
-    sequences = micro_batch_size * grad_accum_steps * world_size
-    return {
-        "micro_batch_size": micro_batch_size,
-        "grad_accum_steps": grad_accum_steps,
-        "world_size": world_size,
-        "sequences_per_step": sequences,
-        "tokens_per_step": sequences * seq_len,
-    }
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+    """One optimizer step's batch: micro-batch x accumulation x processes sequences of seq_len tokens."""
+
+    micro_batch_size: int
+    grad_accum_steps: int
+    world_size: int
+    seq_len: int
+
+    @property
+    def sequences_per_step(self) -> int:
+        return self.micro_batch_size * self.grad_accum_steps * self.world_size
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.sequences_per_step * self.seq_len
 
 
 def total_steps_for(max_steps: int, num_epochs: float, n_windows: int, sequences_per_step: int) -> int:
     if max_steps > 0:
         return max_steps
     return max(1, math.ceil(num_epochs * n_windows / sequences_per_step))
-
-
-def round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The model config
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-# The architectures train.py builds, by model_type. A config must state the fields that shape the model: the
-# defaults of transformers' config classes describe other models (LlamaConfig's are Llama-7B's, DeepseekV3Config's
-# the 671B's), so a field left out would quietly plan and train a model nobody asked for.
-CORE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-               "max_position_embeddings")  # fmt: skip
-ARCHITECTURES = {
-    "llama": {"template": "tiny", "class_prefix": "Llama", "fields": CORE_FIELDS},
-    "deepseek_v3": {
-        "template": "deepseek-v3-tiny",
-        "class_prefix": "DeepseekV3",
-        # Its default num_key_value_heads (128) and routing (8 groups, top-4 groups, scale 2.5) are the 671B's too.
-        "fields": CORE_FIELDS
-        + ("num_key_value_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-           "moe_intermediate_size", "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
-           "first_k_dense_replace", "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob"),
-    },
-}  # fmt: skip
-
-
-def resolve_model_config(name_or_path: str, flag: str = "--model_config") -> Path:
-    preset = MODEL_CONFIG_DIR / f"{name_or_path}.json"
-    path = Path(name_or_path).expanduser()
-    if flag == "--init_from":  # weights are loaded from that directory: a preset name is not one
-        if not (path / "config.json").is_file():
-            raise UserError(f"--init_from {name_or_path} is not a Hugging Face model directory (no config.json)")
-        return path / "config.json"
-    for candidate in (preset, path, path / "config.json"):
-        if candidate.is_file():
-            return candidate
-    presets = sorted(p.stem for p in MODEL_CONFIG_DIR.glob("*.json"))
-    raise UserError(
-        f"--model_config {name_or_path!r} is not a preset ({', '.join(presets)}), a config.json or a model directory"
-    )
-
-
-def read_config_json(path: Path, where: str) -> dict:
-    """The JSON object in a config file (a model config, a tokenizer's or a model directory's JSON); a file that is
-    not one (unreadable, not UTF-8, empty, torn, a list) is refused by name and position, which json's own error and
-    transformers' loaders do not give."""
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(
-            f"{where}: byte {e.start} is not UTF-8; a config file is UTF-8 JSON: restore or fix it"
-        ) from None
-    except OSError as e:
-        raise UserError(f"{where} cannot be read ({e.strerror}); check its permissions or restore it") from None
-    if not text.strip():
-        raise UserError(f"{where} is empty; restore it, or write it again")
-    try:
-        d = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UserError(
-            f"{where} is not valid JSON ({e.msg}: line {e.lineno} column {e.colno}); fix it there or restore it"
-        ) from None
-    if not isinstance(d, dict):
-        raise UserError(f"{where} holds a JSON {type(d).__name__} where a JSON object belongs; restore or fix it")
-    return d
-
-
-def _bad_value(key: str, value) -> str | None:
-    """What a core field's value must be, when it is not that; None when it is fine."""
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if key == "norm_topk_prob":
-        return None if isinstance(value, bool) else "true or false"
-    if key == "routed_scaling_factor":
-        return None if number and value > 0 else "a positive number"
-    if key == "q_lora_rank" and value is None:  # no query compression (V2-Lite, the small presets)
-        return None
-    least = 0 if key in ("n_shared_experts", "first_k_dense_replace") else 1
-    if isinstance(value, int) and not isinstance(value, bool) and value >= least:
-        return None
-    return f"an integer >= {least}" + (" or null" if key == "q_lora_rank" else "")
-
-
-def check_model_fields(d: dict, where: str) -> None:
-    """Refuse, naming the file, the field and the fix, a config dict that does not name a supported model_type, whose
-    architectures list disagrees with it, or that lacks a core field of that architecture or gives it a bad value."""
-    supported = " or ".join(f'"{t}"' for t in ARCHITECTURES)
-    model_type = d.get("model_type")
-    if model_type is None:
-        guess = "deepseek_v3" if "n_routed_experts" in d or "kv_lora_rank" in d else "llama"
-        raise UserError(
-            f'{where} has no model_type, so its fields would be read as a Llama\'s; add "model_type": "{guess}" '
-            f"(the supported ones are {supported})"
-        )
-    arch = ARCHITECTURES.get(model_type) if isinstance(model_type, str) else None
-    if arch is None:
-        raise UserError(
-            f"{where} has model_type {model_type!r}, which train.py does not build; the supported ones are "
-            f"{supported} (llama is the DeepSeek LLM architecture): start from a preset in {MODEL_CONFIG_DIR}"
-        )
-    foreign = [a for a in d.get("architectures") or [] if not str(a).startswith(arch["class_prefix"])]
-    if foreign:
-        raise UserError(
-            f"{where} has model_type {model_type!r} but architectures {foreign}: one of them is wrong; make them agree"
-        )
-    missing = [k for k in arch["fields"] if k not in d]
-    if missing:
-        raise UserError(
-            f"{where} lacks {', '.join(missing)}, which a {model_type} model needs (transformers' defaults describe "
-            f"another model); add them, e.g. from {MODEL_CONFIG_DIR / (arch['template'] + '.json')}"
-        )
-    for key in arch["fields"]:
-        must = _bad_value(key, d[key])
-        if must:
-            raise UserError(f"{where} has {key}={json.dumps(d[key])}; it must be {must}")
-
-
-def build_model_config(d: dict, where: str):
-    """The transformers config of a checked config dict. Keys its class does not define are refused: transformers
-    would keep them as inert attributes, so MoE fields under model_type llama, say, would train a dense model."""
-    from transformers import AutoConfig
-
-    d = dict(d)
-    model_type = d.pop("model_type")
-    try:
-        config = AutoConfig.for_model(model_type, **d)
-    except (ValueError, TypeError, KeyError) as e:
-        raise UserError(f"{where} is refused by transformers: {str(e).splitlines()[0]}; fix that field") from None
-    known = set(type(config)().to_dict())
-    # A leading _ marks transformers' own bookkeeping (_name_or_path, _attn_implementation_autoset), not a setting.
-    ignored = sorted(k for k in config.to_dict() if k not in known and not k.startswith("_"))
-    if ignored:
-        others = [
-            t for t in ARCHITECTURES if t != model_type and set(ignored) <= set(AutoConfig.for_model(t).to_dict())
-        ]
-        them = "them" if len(ignored) > 1 else "it"
-        fix = f'set "model_type": "{others[0]}" or remove {them}' if others else f"remove {them} or fix the spelling"
-        raise UserError(
-            f"{where} has {', '.join(ignored)}, which a {model_type} model does not use (transformers would ignore "
-            f"{them}): {fix}"
-        )
-    return config
-
-
-def check_weight_files(directory: Path, where: str) -> None:
-    """Refuse a model directory whose .safetensors files are truncated or not safetensors, naming the file, before
-    transformers or ZeRO-3's loading raises a traceback on it."""
-    from safetensors import SafetensorError, safe_open
-
-    for weights in sorted(Path(directory).glob("*.safetensors")):
-        try:  # reads the header only, and checks that the tensors it lists fill the file exactly
-            with safe_open(weights, framework="pt"):
-                pass
-        except (SafetensorError, OSError) as e:
-            raise UserError(f"{where}: {weights.name} is damaged ({e}); copy or export the model directory again")
-
-
-def load_model_config(model_config: str, init_from: str, seq_len: int, meta: dict | None):
-    """The model's transformers config, with the vocabulary taken from the data's tokenizer (padded to 64)."""
-    flag = "--init_from" if init_from else "--model_config"
-    path = resolve_model_config(init_from or model_config, flag)
-    where = f"{flag} {path}"
-    d = read_config_json(path, where)
-    check_model_fields(d, where)
-    config = build_model_config(d, where)
-    if init_from:
-        if meta is not None and config.vocab_size < meta["vocab_size"]:
-            raise UserError(
-                f"--init_from {init_from} has vocab_size {config.vocab_size} < the data's "
-                f"{meta['vocab_size']}; prepare the data with that model's tokenizer"
-            )
-    elif meta is not None:  # without data (planning) the preset keeps its own vocabulary
-        config.vocab_size = round_up(meta["vocab_size"], 64)
-        config.bos_token_id = config.eos_token_id = meta["eos_id"]
-        config.pad_token_id = None
-    if seq_len > config.max_position_embeddings:
-        raise UserError(
-            f"--seq_len {seq_len} exceeds the model's context max_position_embeddings="
-            f"{config.max_position_embeddings}; lower --seq_len or use a config with a longer context"
-        )
-    return config
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -575,7 +410,7 @@ def step_time_plan(
     return {"compute_s": compute_s, "comm_s": comm_s, "step_s": step_s, "tokens_per_s": tokens_per_step / step_s}
 
 
-def plan_report(cfg, model_config, launch: Launch, batch: dict, flops_tok: float, gpu_memory_gib: float,
+def plan_report(cfg, model_config, launch: Launch, batch: BatchPlan, flops_tok: float, gpu_memory_gib: float,
                 peak_flops_per_device: float, steps: int) -> tuple[list[str], bool]:  # fmt: skip
     """The memory and time plan as printable lines, and whether the model states + activations fit the devices.
     cfg is train.py's Config (micro batch, sequence length, checkpointing, attention, assumed MFU and bandwidth);
@@ -605,7 +440,7 @@ def plan_report(cfg, model_config, launch: Launch, batch: dict, flops_tok: float
     fits = need <= gpu_memory_gib * GIB * 0.95  # the CUDA context, allocator fragmentation and buffers take the rest
     t = step_time_plan(
         flops_tok,
-        batch["tokens_per_step"],
+        batch.tokens_per_step,
         world,
         peak_flops_per_device,
         cfg.assumed_mfu,
@@ -630,7 +465,7 @@ def plan_report(cfg, model_config, launch: Launch, batch: dict, flops_tok: float
         f"off: {mem['activations_without_checkpointing'] / GIB:.2f}) = {mem['gpu_total'] / GIB:.2f} GiB",
         f"  DeepSpeed's ZeRO-3 estimator: {ds_gpu / GIB:.2f} GiB model states per {where}, {ds_host / GIB:.1f} GiB "
         f"host RAM per machine (ours: {mem['host_per_process'] * world / nodes / GIB:.1f} GiB offloaded per machine)",
-        f"  step: {batch['tokens_per_step']:,} tokens, {t['step_s']:.2f} s ({t['compute_s']:.2f} s compute at "
+        f"  step: {batch.tokens_per_step:,} tokens, {t['step_s']:.2f} s ({t['compute_s']:.2f} s compute at "
         f"{cfg.assumed_mfu:.0%} MFU of {peak_flops_per_device / 1e12:.3g} TFLOP/s + {t['comm_s']:.2f} s ZeRO-3 traffic "
         f"at {cfg.interconnect_gb_s:g} GB/s) = {t['tokens_per_s']:,.0f} tokens/s"
         + (f"; {steps} steps = {steps * t['step_s'] / 3600:.1f} h" if steps else ""),
@@ -649,3 +484,26 @@ def plan_report(cfg, model_config, launch: Launch, batch: dict, flops_tok: float
                 f"  advice: {advice}" + ("; add --gradient_checkpointing" if not cfg.gradient_checkpointing else "")
             )
     return lines, fits or not launch.gpu
+
+
+def check_fits(run, accelerator, peak_flops: float) -> None:
+    """Print the plan for this launch (run: train.py's Run); refuse to start when it says the model does not fit the
+    GPU."""
+    cfg, launch = run.cfg, run.launch
+    device_gib = torch.cuda.get_device_properties(accelerator.device).total_memory / GIB if launch.gpu else 0.0
+    lines, fits = plan_report(
+        cfg,
+        run.model_config,
+        launch,
+        run.batch,
+        run.flops_per_token,
+        device_gib,
+        peak_flops / launch.world_size,
+        run.total_steps,
+    )
+    accelerator.print("\n".join(lines))
+    if not fits and not cfg.ignore_memory_plan:
+        raise UserError(
+            "the plan above does not fit this GPU's memory; follow its advice, or pass "
+            "--ignore_memory_plan to try anyway"
+        )

@@ -12,17 +12,16 @@ Precision and gradient accumulation come from the accelerate config alone; every
 Outputs in OUT: metrics.jsonl, checkpoints/step_N/ (+ checkpoints/latest), final/ (a Hugging Face model
 directory) and loss_curve.png. A restart with `--resume auto` continues exactly where the last checkpoint was.
 
-Read top to bottom: Config, helpers (batch, loss, optimizer, logging), setup, the loop (`train`). The planner
-(plan.py), checkpoints (checkpoint.py), token files (lmdata.py) and the validation loss (lmloss.py) live beside it.
+Read top to bottom: Config; what a forker edits first (LR schedule, optimizer, data order, loss); setup in three
+phases (check, resume, build); the loop and the step (`train`). Beside it: plan.py (launch, batch plan, memory and
+time), models.py (model configs), checkpoint.py (the run directory), metrics.py, token_data.py, lmloss.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
-import os
 import signal
 import sys
 import time
@@ -35,9 +34,11 @@ import torch.nn.functional as F
 
 import checkpoint
 import cli
-import lmdata
+import metrics
+import models
 import moe
 import plan
+import token_data
 from cli import UserError, field
 from lmloss import validation_loss
 
@@ -103,28 +104,32 @@ class Diverged(Exception):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Helpers: data order, loss, optimizer, logging
+# What a forker edits first: the LR schedule, the optimizer, the data order, the loss
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def sample_ids(step: int, micro_step: int, rank: int, batch: dict) -> range:
-    """Global sample numbers of one micro-batch: an optimizer step takes the next `sequences_per_step` samples, laid
-    out micro-step-major, so the set a step trains on depends only on the global batch, not on how it is split."""
-    start = step * batch["sequences_per_step"] + (micro_step * batch["world_size"] + rank) * batch["micro_batch_size"]
-    return range(start, start + batch["micro_batch_size"])
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Linear warmup that reaches peak_lr on step warmup_steps - 1, then a cosine that reaches the floor
+    (min_lr_ratio x peak_lr) on step decay_steps - 1 and stays there. A pure function of the optimizer step, written
+    into the optimizer's param groups, so a resumed run has the same LRs and no scheduler state to save."""
+
+    peak_lr: float
+    warmup_steps: int
+    decay_steps: int
+    min_lr_ratio: float
+
+    def lr(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return self.peak_lr * (step + 1) / self.warmup_steps
+        floor = self.peak_lr * self.min_lr_ratio
+        top = max(self.warmup_steps - 1, 0)  # the step that holds the peak
+        progress = min(1.0, (step - top) / max(1, self.decay_steps - 1 - top))
+        return floor + 0.5 * (self.peak_lr - floor) * (1 + math.cos(math.pi * progress))
 
 
-def get_batch(
-    tokens: np.ndarray, ids: range, seq_len: int, seed: int, n_windows: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = np.stack([lmdata.window(tokens, lmdata.sample_window(seed, i, n_windows)[1], seq_len) for i in ids])
-    batch = torch.from_numpy(rows)
-    return batch[:, :-1], batch[:, 1:]
-
-
-def lm_loss(model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = model(input_ids=inputs, use_cache=False).logits
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+def schedule_for(cfg: Config, total_steps: int) -> Schedule:
+    return Schedule(cfg.lr, cfg.warmup_steps, cfg.lr_decay_steps or total_steps, cfg.min_lr_ratio)
 
 
 def make_optimizer(model, cfg: Config, offload_optimizer: bool):
@@ -141,65 +146,92 @@ def make_optimizer(model, cfg: Config, offload_optimizer: bool):
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.adam_eps)
 
 
-def fp16_loss_scale(engine, scaler) -> float | None:
-    """The current fp16 loss scale: DeepSpeed's dynamic scaler, or Accelerate's GradScaler without DeepSpeed."""
-    if engine is not None and hasattr(engine.optimizer, "loss_scale"):
-        return float(engine.optimizer.loss_scale)
-    if scaler is not None:
-        return float(scaler.get_scale())
-    return None
+def sample_ids(step: int, micro_step: int, rank: int, batch: plan.BatchPlan) -> range:
+    """Global sample numbers of one micro-batch: an optimizer step takes the next `sequences_per_step` samples, laid
+    out micro-step-major, so the set a step trains on depends only on the global batch, not on how it is split."""
+    start = step * batch.sequences_per_step + (micro_step * batch.world_size + rank) * batch.micro_batch_size
+    return range(start, start + batch.micro_batch_size)
+
+
+def get_batch(data: token_data.TrainingData, ids: range, seq_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-token targets of the samples `ids`: windows of the training tokens in the order
+    token_data.sample_window gives (a fresh permutation per epoch, a pure function of seed and sample number)."""
+    windows = [token_data.sample_window(seed, i, data.n_windows)[1] for i in ids]
+    batch = torch.from_numpy(np.stack([token_data.window(data.train_tokens, w, seq_len) for w in windows]))
+    return batch[:, :-1], batch[:, 1:]
+
+
+def lm_loss(model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=inputs, use_cache=False).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def backward(accelerator, loss: torch.Tensor, step: int) -> None:
+    try:
+        accelerator.backward(loss)
+    except Exception as e:  # DeepSpeed's fp16 scaler raises on every rank at once when it cannot go lower
+        if "loss scale already at minimum" not in str(e):
+            raise
+        raise Diverged(
+            f"step {step}: the fp16 loss scale is at its minimum and gradients still overflow; train in bf16 "
+            f"(--mixed_precision bf16 at launch), lower --lr, or --resume auto from the last checkpoint"
+        ) from None
 
 
 def any_process(accelerator, flag: bool) -> bool:
     return bool(accelerator.reduce(torch.tensor([float(flag)], device=accelerator.device), "sum") > 0)
 
 
-def plot_losses(metrics_path: Path, png_path: Path) -> None:
-    """The loss curve; for a MoE model, a second panel with the expert-load imbalance (MaxVio) and the balance loss."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    records, _ = checkpoint.read_metrics(metrics_path)
-    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
-    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
-    balance = [r for r in records if "moe_maxvio_max" in r]
-    fig, axes = plt.subplots(2 if balance else 1, 1, figsize=(7, 7 if balance else 4.2), sharex=True, squeeze=False)
-    ax = axes[0, 0]
-    if train:
-        ax.plot(*zip(*train), label="train loss", lw=1)
-    if val:
-        ax.plot(*zip(*val), "o-", label="validation loss", ms=4)
-    ax.set(ylabel="cross-entropy (nats/token)", title=metrics_path.parent.name)
-    if balance:
-        steps = [r["step"] for r in balance]
-        bottom = axes[1, 0]
-        bottom.plot(steps, [r["moe_maxvio_max"] for r in balance], label="MaxVio, worst layer", lw=1)
-        bottom.plot(steps, [r["moe_maxvio_mean"] for r in balance], label="MaxVio, mean of layers", lw=1)
-        bottom.set(ylabel="max load / mean load - 1")
-        if any("moe_aux_loss" in r for r in balance):
-            aux = bottom.twinx()
-            aux.plot(steps, [r.get("moe_aux_loss", float("nan")) for r in balance], "k:", label="balance loss", lw=1)
-            aux.set(ylabel="balance loss")
-            aux.legend(loc="upper center")
-    for ax in axes[:, 0]:
-        ax.grid(alpha=0.3)
-        ax.legend(loc="upper right")
-    axes[-1, 0].set(xlabel="optimizer step")
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=120)
-    plt.close(fig)
-
-
 # ---------------------------------------------------------------------------------------------------------------------
-# Setup: check everything, then build. A mistake raises UserError before anything is written.
+# Setup, phase 1: check. Flags, output directory, the settings of the checkpoint to resume, data, model config,
+# launch, batch plan and schedule; a mistake raises UserError before anything is written.
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def validate(cfg: Config, resuming: bool):
-    """Check the flags and the data directory; returns the data, memory-mapped once for the whole run, and its
-    tokenizer. A resumed run needs nothing from --init_from: its weights are in the checkpoint."""
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What the checks decided: the run's settings (a resumed run's come from its checkpoint) and its shape."""
+
+    cfg: Config
+    data: token_data.TrainingData
+    tokenizer: object  # the data's; saved with the final model
+    model_config: object
+    launch: plan.Launch
+    batch: plan.BatchPlan
+    total_steps: int
+    schedule: Schedule
+    flops_per_token: float
+    resume: checkpoint.Resume | None
+
+    def identity(self) -> dict:
+        """What a checkpoint must match to be resumed by this run."""
+        return {
+            "world_size": self.launch.world_size,
+            "micro_batch_size": self.cfg.micro_batch_size,
+            "grad_accum_steps": self.launch.grad_accum_steps,
+            "seq_len": self.cfg.seq_len,
+            "seed": self.cfg.seed,
+            "data_fingerprint": self.data.meta["fingerprint"],
+            "model_config_hash": checkpoint.config_hash(self.model_config),
+            "precision": self.launch.precision,
+        }
+
+    def state_at(self, step: int) -> dict:
+        """trainer_state.json of the checkpoint at `step`."""
+        data_dir = str(Path(self.cfg.data_dir).resolve())
+        return {
+            **self.identity(),
+            "step": step,
+            "tokens_seen": step * self.batch.tokens_per_step,
+            "samples_seen": step * self.batch.sequences_per_step,
+            "epoch": step * self.batch.sequences_per_step / self.data.n_windows,
+            "data_dir": data_dir,
+            "total_steps": self.total_steps,
+            "config": {**dataclasses.asdict(self.cfg), "data_dir": data_dir},
+        }
+
+
+def check_flags(cfg: Config) -> None:
     for name in ("seq_len", "micro_batch_size", "log_every", "keep_last"):
         if getattr(cfg, name) < 1:
             raise UserError(f"--{name} {getattr(cfg, name)} must be at least 1")
@@ -214,184 +246,123 @@ def validate(cfg: Config, resuming: bool):
         raise UserError(f"--lr {cfg.lr} must be positive and --min_lr_ratio {cfg.min_lr_ratio} within [0, 1]")
     if cfg.attn_implementation not in ("sdpa", "eager"):
         raise UserError(f"--attn_implementation {cfg.attn_implementation!r} must be sdpa or eager")
-    if cfg.init_from and not resuming and not (Path(cfg.init_from) / "config.json").is_file():
-        raise UserError(f"--init_from {cfg.init_from} is not a Hugging Face model directory (no config.json)")
     if 0 < cfg.eval_tokens < cfg.seq_len:
         raise UserError(
             f"--eval_tokens {cfg.eval_tokens} is less than one validation window of --seq_len "
             f"{cfg.seq_len} tokens; raise it, or 0 for the whole validation split"
         )
-    data = lmdata.training_data(cfg.data_dir, cfg.seq_len, cfg.eval_tokens)
-    tokenizer = load_tokenizer(Path(cfg.data_dir) / "tokenizer", "rebuild the data with prepare_data.py --overwrite")
-    if cfg.init_from and not resuming:
-        plan.check_weight_files(Path(cfg.init_from), f"--init_from {cfg.init_from}")
-        check_same_tokenizer(cfg.init_from, tokenizer, data.meta["eos_id"])
-    return data, tokenizer
 
 
-def load_tokenizer(directory: Path, fix: str):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(directory)
-    except Exception as e:  # noqa: BLE001 - a missing, torn or foreign tokenizer file: many exception types
-        raise UserError(f"{directory} holds no readable tokenizer ({type(e).__name__}); {fix}") from None
-
-
-def check_same_tokenizer(model_dir: str, ours, data_eos_id: int) -> None:
-    """--init_from must have been trained on the ids the data holds: the same vocabulary (token -> id), the same
-    encoding of a probe text and the same EOS id. A vocabulary size alone says nothing (two 512-token BPEs agree)."""
-    theirs = load_tokenizer(
-        Path(model_dir), "nothing shows --init_from was trained on the data's ids: copy its tokenizer into it"
+def check(cfg: Config, given: set[str], accelerator) -> Run:
+    """Every start-up check, in the order a user would fix them; nothing is written. A resumed run's settings are
+    its checkpoint's (those the command gives must agree), and its weights and model config come from there too, so
+    --init_from is not read again."""
+    check_flags(cfg)
+    checkpoint.check_output_dir(cfg.output_dir, cfg.resume)
+    found = checkpoint.find_resume_checkpoint(cfg.resume, Path(cfg.output_dir) / "checkpoints", accelerator)
+    resume = checkpoint.Resume(found, checkpoint.read_trainer_state(found)) if found else None
+    if resume is not None:
+        cfg, taken = checkpoint.config_for_resume(cfg, given, resume.state.get("config", {}))
+        if taken:
+            accelerator.print(f"settings from {found.name}: " + " ".join(f"--{k} {v}" for k, v in taken.items()))
+        check_flags(cfg)
+    data = token_data.training_data(cfg.data_dir, cfg.seq_len, cfg.eval_tokens)
+    tokenizer = models.load_tokenizer(
+        Path(cfg.data_dir) / "tokenizer", "rebuild the data with prepare_data.py --overwrite"
     )
-    probe = "The tokenizer probe: naïve café, 1234 + x**2\n\n\tdef f(): return 'ok'"
-    if theirs.get_vocab() != ours.get_vocab() or theirs.encode(probe) != ours.encode(probe):
+    if resume is not None and (resume.path / "model_config.json").is_file():
+        model_config = checkpoint.read_model_config(resume.path)
+    else:
+        if cfg.init_from and resume is None:
+            models.check_init_from(cfg.init_from, tokenizer, data.meta["eos_id"])
+        model_config = models.load_model_config(cfg.model_config, cfg.init_from, cfg.seq_len, data.meta)
+    launch = plan.live_launch(accelerator)
+    batch = plan.BatchPlan(cfg.micro_batch_size, launch.grad_accum_steps, launch.world_size, cfg.seq_len)
+    total_steps = plan.total_steps_for(cfg.max_steps, cfg.num_epochs, data.n_windows, batch.sequences_per_step)
+    flops_per_token = plan.model_flops_per_token(model_config, cfg.seq_len)
+    schedule = schedule_for(cfg, total_steps)
+    return Run(cfg, data, tokenizer, model_config, launch, batch, total_steps, schedule, flops_per_token, resume)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Setup, phase 2: resume. The checkpoint must continue this very run: same identity, a schedule that does not jump,
+# a step within the run.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def check_resume(run: Run, given: set[str]) -> str | None:
+    """Refuse a checkpoint this run cannot continue; returns a line to print when --lr_decay_steps re-plans the
+    schedule."""
+    state, path = run.resume.state, run.resume.path
+    checkpoint.check_resume_compatible(state, run.identity(), path)
+    if state["step"] > run.total_steps:
         raise UserError(
-            f"--init_from {model_dir} was trained with another tokenizer than the data's (vocabularies "
-            f"or encodings differ); prepare the data with prepare_data.py --tokenizer {model_dir}"
+            f"cannot resume {path}: it is at step {state['step']}, beyond this run's {run.total_steps} steps; raise "
+            f"--max_steps (or --num_epochs)"
         )
-    if theirs.eos_token_id != data_eos_id:
+    return replan_schedule(run.schedule, state, given)
+
+
+def replan_schedule(schedule: Schedule, state: dict, given: set[str]) -> str | None:
+    """A resumed run keeps its schedule's length unless the command re-plans it with --lr_decay_steps (then the line
+    to print, with the LR at the resume step before and after); --max_steps or --num_epochs alone would stretch the
+    cosine under the run's feet, which is refused."""
+    old_steps = state.get("config", {}).get("lr_decay_steps") or state["total_steps"]
+    saved, new, old, step = (
+        dataclasses.replace(schedule, decay_steps=old_steps),
+        schedule.decay_steps,
+        old_steps,
+        state["step"],
+    )
+    if new == old:
+        return None
+    change = f"the LR at step {step} goes from {saved.lr(step):.3g} to {schedule.lr(step):.3g}"
+    if "lr_decay_steps" not in given:
         raise UserError(
-            f"--init_from {model_dir} has EOS id {theirs.eos_token_id}, the data {data_eos_id}; prepare the data "
-            f"with prepare_data.py --tokenizer {model_dir}"
+            f"cannot resume: this command makes the LR schedule {new} steps long, the run's is {old} ({change}); "
+            f"give --lr_decay_steps {new} to re-plan the schedule, or --lr_decay_steps {old} to keep it and train "
+            f"on at its floor"
         )
+    return f"re-planned LR schedule: {old} -> {new} steps; {change}"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Setup, phase 3: build. The memory plan, OUT (its marker first), the model under ZeRO-3, its optimizer, the
+# checkpoint's state, the tracker.
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
-class Run:
-    """What setup decided: the run's settings (a resumed run's come from its checkpoint) and its shape."""
+class Parts:
+    """What the loop works with besides the Run."""
 
-    cfg: Config
-    data: lmdata.TrainingData
-    model_config: object
-    launch: plan.Launch
-    batch: dict
-    total_steps: int
-    flops_per_token: float
-    identity: dict  # what a checkpoint must match to be resumed by this run
-    resume_from: Path | None
-    resume_state: dict | None
-    tokenizer: object  # the data's, saved with the final model
+    accelerator: object
+    model: object  # prepared: the DeepSpeed engine under DeepSpeed
+    optimizer: object
+    balancer: moe.LoadBalancer | None  # None for a dense model
+    peak_flops: float  # what MFU is measured against
+    finaliser: bool  # this process finalises checkpoints on its filesystem
+    skipped_at_start: int = 0
 
-    def state_at(self, step: int) -> dict:
-        """trainer_state.json of the checkpoint at `step`."""
-        data_dir = str(Path(self.cfg.data_dir).resolve())
-        return {
-            **self.identity,
-            "step": step,
-            "tokens_seen": step * self.batch["tokens_per_step"],
-            "samples_seen": step * self.batch["sequences_per_step"],
-            "epoch": step * self.batch["sequences_per_step"] / self.data.n_windows,
-            "data_dir": data_dir,
-            "total_steps": self.total_steps,
-            "config": {**dataclasses.asdict(self.cfg), "data_dir": data_dir},
-        }
+    @property
+    def engine(self):
+        """The DeepSpeed engine (it counts fp16-skipped steps), or None without DeepSpeed."""
+        return self.model if self.accelerator.state.deepspeed_plugin is not None else None
 
-
-def start_accelerator(cfg: Config):
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedType, InitProcessGroupKwargs
-
-    # Launched on CPUs, DeepSpeed needs gloo named explicitly or Accelerate and DeepSpeed disagree on the world size.
-    # A plain `python train.py` has no process group to create; LOCAL_RANK is how Accelerate itself tells.
-    launched = "LOCAL_RANK" in os.environ
-    kwargs = [InitProcessGroupKwargs(backend="gloo")] if launched and not torch.cuda.is_available() else []
-    with cli.without_noise():
-        accelerator = Accelerator(log_with=cfg.log_with or None, project_dir=cfg.output_dir, kwargs_handlers=kwargs)
-    started = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    if started > 1 and accelerator.distributed_type == DistributedType.NO:  # torchrun on CPUs without the variable
-        raise UserError(
-            f"{started} processes were started but Accelerate runs them as "
-            f"{accelerator.distributed_type.value}, with no gradient sync: each would train its own copy. "
-            f"On CPUs launch with ACCELERATE_USE_CPU=1 torchrun --nproc_per_node {started} train.py ..., "
-            f"or accelerate launch --config_file accelerate_configs/zero3_cpu.yaml train.py ..."
-        )
-    return accelerator
-
-
-def plan_run(cfg: Config, given: set[str], accelerator) -> Run:
-    """Every start-up check, in the order a user would fix them; nothing is written yet."""
-    checkpoint.check_output_dir(cfg.output_dir, cfg.resume)
-    resume_from = checkpoint.find_resume_checkpoint(cfg.resume, Path(cfg.output_dir) / "checkpoints", accelerator)
-    resume_state = checkpoint.read_trainer_state(resume_from) if resume_from else None
-    if resume_state is not None:
-        cfg, taken = checkpoint.config_for_resume(cfg, given, resume_state.get("config", {}))
-        if taken:
-            accelerator.print(f"settings from {resume_from.name}: " + " ".join(f"--{k} {v}" for k, v in taken.items()))
-    data, tokenizer = validate(cfg, resuming=resume_state is not None)
-    if resume_state is not None and (resume_from / "model_config.json").is_file():
-        model_config = checkpoint.read_model_config(resume_from)  # not --init_from's, which may have moved
-    else:
-        model_config = plan.load_model_config(cfg.model_config, cfg.init_from, cfg.seq_len, data.meta)
-    launch = plan.live_launch(accelerator)
-    batch = plan.batch_plan(cfg.micro_batch_size, launch.grad_accum_steps, launch.world_size, cfg.seq_len)
-    total_steps = plan.total_steps_for(cfg.max_steps, cfg.num_epochs, data.n_windows, batch["sequences_per_step"])
-    identity = {
-        "world_size": launch.world_size,
-        "micro_batch_size": cfg.micro_batch_size,
-        "grad_accum_steps": launch.grad_accum_steps,
-        "seq_len": cfg.seq_len,
-        "seed": cfg.seed,
-        "data_fingerprint": data.meta["fingerprint"],
-        "model_config_hash": checkpoint.config_hash(model_config),
-        "precision": launch.precision,
-    }
-    if resume_state is not None:
-        checkpoint.check_resume_compatible(resume_state, identity, resume_from)
-        replanned = checkpoint.schedule_on_resume(cfg, given, total_steps, resume_state)
-        if replanned:
-            accelerator.print(replanned)
-        if resume_state["step"] > total_steps:
-            raise UserError(
-                f"cannot resume {resume_from}: it is at step {resume_state['step']}, beyond this run's "
-                f"{total_steps} steps; raise --max_steps (or --num_epochs)"
-            )
-    return Run(
-        cfg,
-        data,
-        model_config,
-        launch,
-        batch,
-        total_steps,
-        plan.model_flops_per_token(model_config, cfg.seq_len),
-        identity,
-        resume_from,
-        resume_state,
-        tokenizer,
-    )
-
-
-def check_memory_plan(run: Run, accelerator, peak_flops: float) -> None:
-    """Print the plan for this launch; refuse to start when it says the model does not fit the GPU."""
-    cfg, launch = run.cfg, run.launch
-    device_gib = torch.cuda.get_device_properties(accelerator.device).total_memory / plan.GIB if launch.gpu else 0.0
-    lines, fits = plan.plan_report(
-        cfg,
-        run.model_config,
-        launch,
-        run.batch,
-        run.flops_per_token,
-        device_gib,
-        peak_flops / launch.world_size,
-        run.total_steps,
-    )
-    accelerator.print("\n".join(lines))
-    if not fits and not cfg.ignore_memory_plan:
-        raise UserError(
-            "the plan above does not fit this GPU's memory; follow its advice, or pass "
-            "--ignore_memory_plan to try anyway"
-        )
+    def skipped_steps(self) -> int:
+        return (self.engine.skipped_steps if self.engine else 0) - self.skipped_at_start
 
 
 def build_model(run: Run, accelerator):
-    """The model under ZeRO-3 (each parameter partitioned as it is created), its optimizer and the tokenizer."""
+    """The model under ZeRO-3 (each parameter partitioned as it is created), its optimizer and, for a MoE model, the
+    load balancer. Returns (model, optimizer, balancer, parameter count)."""
     from accelerate.utils import set_seed
     from transformers import AutoModelForCausalLM
 
     cfg = run.cfg
     set_seed(cfg.seed)
     model_kwargs = {"attn_implementation": cfg.attn_implementation, "dtype": torch.float32}
-    if cfg.init_from and run.resume_state is None:  # a resumed fine-tune's weights come from its checkpoint
+    if cfg.init_from and run.resume is None:  # a resumed fine-tune's weights come from its checkpoint
         model = AutoModelForCausalLM.from_pretrained(cfg.init_from, **model_kwargs)
     else:
         model = AutoModelForCausalLM.from_config(run.model_config, **model_kwargs)
@@ -411,48 +382,29 @@ def build_model(run: Run, accelerator):
     if moe.routers(accelerator.unwrap_model(model)):
         balancer = moe.LoadBalancer(accelerator.unwrap_model(model), cfg.moe_bias_update_speed, cfg.moe_aux_loss_alpha)
         accelerator.register_for_checkpointing(balancer)  # the routers' biases resume exactly
-    return model, optimizer, balancer, run.tokenizer, n_params
+    return model, optimizer, balancer, n_params
 
 
-def load_checkpoint(accelerator, run: Run, finaliser: bool) -> None:
-    """Load the checkpoint to resume from; only once it has loaded does an explicit --resume from an older checkpoint
-    move the newer ones aside, so a failed load leaves the run's checkpoints as they were."""
-    try:
-        accelerator.load_state(str(run.resume_from))
-    except Exception as e:  # noqa: BLE001 - DeepSpeed and torch raise many kinds for one damaged file
-        raise UserError(
-            f"cannot load checkpoint {run.resume_from}: {type(e).__name__}: {str(e).splitlines()[0][:300]}; "
-            f"resume from an older checkpoint with --resume {run.resume_from.parent}/step_N"
-        ) from None
-    ckpt_root = Path(run.cfg.output_dir) / "checkpoints"
-    if run.cfg.resume != "auto" and finaliser:
-        moved = checkpoint.set_aside_newer(ckpt_root, run.resume_from)
-        if moved is not None:
-            print(moved)
-    accelerator.print(
-        f"resumed from {run.resume_from} at step {run.resume_state['step']} "
-        f"({run.resume_state['tokens_seen']:,} tokens seen)"
-    )
-
-
-def setup(cfg: Config, given: set[str]):
-    """Accelerator, checks, plan, then (past every check) the output directory and the model."""
-    accelerator = start_accelerator(cfg)
-    run = plan_run(cfg, given, accelerator)
+def setup(cfg: Config, given: set[str]) -> tuple[Run, Parts]:
+    """Check, resume, build: nothing is written to OUT before the first two phases have passed on every process."""
+    accelerator = plan.start_accelerator(cfg.log_with, cfg.output_dir)
+    run = check(cfg, given, accelerator)
+    replanned = check_resume(run, given) if run.resume is not None else None
+    if replanned:
+        accelerator.print(replanned)
     cfg, batch, launch = run.cfg, run.batch, run.launch
     accelerator.gradient_accumulation_steps = launch.grad_accum_steps  # a DeepSpeed JSON may be what sets it
     accelerator.print(
-        f"batch plan: {batch['micro_batch_size']} micro x {launch.grad_accum_steps} accumulation x "
-        f"{launch.world_size} processes = {batch['sequences_per_step']} sequences = {batch['tokens_per_step']:,} "
-        f"tokens per step; {run.total_steps} steps "
-        f"({run.total_steps * batch['sequences_per_step'] / run.data.n_windows:.2f} "
+        f"batch plan: {batch.micro_batch_size} micro x {launch.grad_accum_steps} accumulation x "
+        f"{launch.world_size} processes = {batch.sequences_per_step} sequences = {batch.tokens_per_step:,} tokens "
+        f"per step; {run.total_steps} steps ({run.total_steps * batch.sequences_per_step / run.data.n_windows:.2f} "
         f"epochs of {run.data.n_windows:,} windows); {accelerator.distributed_type.value}, {launch.precision}, "
         f"on {accelerator.device.type}"
     )
     peak_flops, peak_source = plan.measure_peak_flops(accelerator, launch.precision)
-    check_memory_plan(run, accelerator, peak_flops)
+    plan.check_fits(run, accelerator, peak_flops)
 
-    # Past every start-up check: from here on the run writes to OUT, starting with the marker that makes it ours.
+    # Past every check: from here on the run writes to OUT, starting with the marker that makes it ours.
     out, ckpt_root = Path(cfg.output_dir), Path(cfg.output_dir) / "checkpoints"
     if accelerator.is_local_main_process:
         checkpoint.mark_train_run(out)
@@ -463,153 +415,41 @@ def setup(cfg: Config, given: set[str]):
             print(f"removed what earlier runs left unfinished in {ckpt_root}: {', '.join(removed)}")
     accelerator.wait_for_everyone()
     mem_before_model_gib = plan.peak_memory_gib(accelerator.device)  # the baseline the plan's estimate adds to
-    model, optimizer, balancer, tokenizer, n_params = build_model(run, accelerator)
+    model, optimizer, balancer, n_params = build_model(run, accelerator)
     counts = plan.param_counts(run.model_config)
     activated = f", {counts['activated'] / 1e6:.2f}M activated per token" if plan.is_moe(run.model_config) else ""
     accelerator.print(
         f"model: {n_params / 1e6:.2f}M parameters ({counts['non_embedding'] / 1e6:.2f}M non-embedding{activated}), "
-        f"{run.flops_per_token / 1e6:.1f} MFLOP/token; "
-        f"peak {peak_flops / 1e12:.2f} TFLOP/s ({peak_source})"
+        f"{run.flops_per_token / 1e6:.1f} MFLOP/token; peak {peak_flops / 1e12:.2f} TFLOP/s ({peak_source})"
     )
-    if run.resume_state is not None:
-        load_checkpoint(accelerator, run, finaliser)
-    if accelerator.is_main_process:
-        if run.resume_state is not None and (out / "metrics.jsonl").exists():
-            torn = checkpoint.truncate_metrics(out / "metrics.jsonl", run.resume_state["step"])
-            if torn:
-                print(f"warning: dropped {torn} torn line(s) of {out / 'metrics.jsonl'} (a write cut short)")
-        else:
-            cli.write_atomic(out / "metrics.jsonl", "")
-        cli.write_json_atomic(
-            out / "config.json",
-            {
-                "written_by": "train.py",
-                **dataclasses.asdict(cfg),
-                "batch_plan": batch,
-                "total_steps": run.total_steps,
-                "precision": launch.precision,
-                "peak_mem_before_model_gib": mem_before_model_gib,
-            },
-        )
-    if cfg.log_with:
-        config = {k: v for k, v in dataclasses.asdict(cfg).items() if isinstance(v, (int, float, str, bool))}
-        accelerator.init_trackers("train", config=config)
-    return accelerator, run, model, optimizer, balancer, tokenizer, peak_flops, finaliser
+    parts = Parts(accelerator, model, optimizer, balancer, peak_flops, finaliser)
+    if run.resume is not None:
+        checkpoint.load_checkpoint(run, parts)
+    parts.skipped_at_start = parts.engine.skipped_steps if parts.engine else 0
+    checkpoint.start_outputs(run, accelerator, mem_before_model_gib)
+    return run, parts
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Training
+# Training: the loop and the step
 # ---------------------------------------------------------------------------------------------------------------------
-
-
-def optimizer_step(model, optimizer, balancer, accelerator, run: Run, step: int, lr: float, stop: bool):
-    """Optimizer step `step + 1` over `grad_accum_steps` micro-batches. Returns (the loss averaged over all processes,
-    the gradient norm, whether any process was asked to stop); raises Diverged on a loss or norm that is not finite.
-    A MoE model's balance loss is added to what is backpropagated (not to the loss returned), and its routers' biases
-    move once the step is taken."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    cfg, accum, rank = run.cfg, run.launch.grad_accum_steps, accelerator.process_index
-    loss_sum = torch.zeros((), device=accelerator.device)
-    grad_norm = None
-    for micro_step in range(accum):
-        inputs, targets = get_batch(
-            run.data.train_tokens,
-            sample_ids(step, micro_step, rank, run.batch),
-            cfg.seq_len,
-            cfg.seed,
-            run.data.n_windows,
-        )
-        with accelerator.accumulate(model):
-            with balancer.collecting() if balancer else contextlib.nullcontext():
-                loss = lm_loss(model, inputs.to(accelerator.device), targets.to(accelerator.device))
-            if cli.injected_fault("nan_loss", rank, step + 1):
-                loss = loss * float("nan")
-            aux_loss = balancer.aux_loss() if balancer else None
-            try:
-                accelerator.backward(loss if aux_loss is None else loss + aux_loss)
-            except Exception as e:  # DeepSpeed's fp16 scaler raises on every rank at once when it cannot go lower
-                if "loss scale already at minimum" not in str(e):
-                    raise
-                raise Diverged(
-                    f"step {step + 1}: the fp16 loss scale is at its minimum and gradients still overflow; "
-                    f"train in bf16 (--mixed_precision bf16 at launch), lower --lr, or --resume auto from "
-                    f"the last checkpoint"
-                ) from None
-            if accelerator.sync_gradients:
-                grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
-            optimizer.step()
-            optimizer.zero_grad()
-        loss_sum += loss.detach()
-    if balancer:
-        balancer.update(accelerator)
-    if cli.injected_fault("sigterm_launcher", rank, step + 1):
-        os.kill(os.getppid(), signal.SIGTERM)
-    # One collective per step carries the loss and whether any process was asked to stop.
-    reduced = accelerator.reduce(torch.stack([loss_sum / accum, torch.tensor(float(stop), device=loss_sum.device)]))
-    step_loss, stop_requested = float(reduced[0]) / accelerator.num_processes, bool(reduced[1] > 0)
-    grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
-    if run.launch.precision != "fp16" and not (math.isfinite(step_loss) and math.isfinite(grad_norm)):
-        raise Diverged(
-            f"step {step + 1}: loss {step_loss} / grad norm {grad_norm} is not finite; stopping without "
-            f"saving. The last checkpoint is intact: lower --lr, raise --warmup_steps or check the data, "
-            f"then --resume auto"
-        )
-    return step_loss, grad_norm, stop_requested
-
-
-def log_step(
-    accelerator,
-    run: Run,
-    step: int,
-    interval: dict,
-    lr: float,
-    grad_norm: float,
-    peak_flops: float,
-    scale: float | None,
-    skipped: int,
-    extra: dict,
-) -> tuple[dict, str]:
-    """The metrics record of a log step and its console line; interval: steps, loss_sum and seconds since the last."""
-    tokens_per_s = interval["steps"] * run.batch["tokens_per_step"] / interval["seconds"]
-    mem = float(
-        accelerator.gather(torch.tensor([plan.peak_memory_gib(accelerator.device)], device=accelerator.device)).max()
-    )
-    loss = interval["loss_sum"] / interval["steps"]
-    record = {
-        "step": step,
-        "tokens": step * run.batch["tokens_per_step"],
-        "loss": loss,
-        "lr": lr,
-        "grad_norm": grad_norm,
-        "tokens_per_s": tokens_per_s,
-        "mfu": plan.mfu(tokens_per_s, run.flops_per_token, peak_flops),
-        "peak_mem_gib": mem,
-        "epoch": step * run.batch["sequences_per_step"] / run.data.n_windows,
-        "samples_seen": step * run.batch["sequences_per_step"],
-    }
-    if scale is not None:
-        record.update(loss_scale=scale, skipped_steps=skipped)
-    record.update(extra)
-    line = (
-        f"step {step}/{run.total_steps} | loss {loss:.4f} | lr {lr:.2e} | grad {grad_norm:.3f} | "
-        f"{tokens_per_s:,.0f} tok/s | MFU {record['mfu']:.1%} | peak mem {mem:.2f} GiB"
-        + (f" | scale {scale:.0f} skipped {skipped}" if scale is not None else "")
-        + (f" | MaxVio {extra['moe_maxvio_max']:.3f} worst, {extra['moe_maxvio_mean']:.3f} mean" if extra else "")
-        + (f" | aux {extra['moe_aux_loss']:.2e}" if "moe_aux_loss" in extra else "")
-    )
-    return record, line
 
 
 def train(cfg: Config, given: set[str]) -> int:
-    accelerator, run, model, optimizer, balancer, tokenizer, peak_flops, finaliser = setup(cfg, given)
-    cfg, out = run.cfg, Path(run.cfg.output_dir)
+    run, parts = setup(cfg, given)
+    cfg, accelerator, model, optimizer, balancer = (
+        run.cfg,
+        parts.accelerator,
+        parts.model,
+        parts.optimizer,
+        parts.balancer,
+    )
+    out, rank, accum = Path(cfg.output_dir), accelerator.process_index, run.launch.grad_accum_steps
     ckpt_root = out / "checkpoints"
 
     def log(record: dict, console: str) -> None:
         if accelerator.is_main_process:
-            with open(out / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
+            metrics.append(out / "metrics.jsonl", record)
             bar.write(console)
         if cfg.log_with:
             accelerator.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
@@ -617,53 +457,77 @@ def train(cfg: Config, given: set[str]) -> int:
     def validate_at(step: int) -> None:
         val = validation_loss(model, accelerator, run.data.val_tokens, cfg.seq_len, cfg.micro_batch_size)
         log(
-            {"step": step, "tokens": step * run.batch["tokens_per_step"], "val_loss": val, "val_ppl": math.exp(val)},
+            {"step": step, "tokens": step * run.batch.tokens_per_step, "val_loss": val, "val_ppl": math.exp(val)},
             f"step {step} | val loss {val:.4f} | val ppl {math.exp(val):.2f}",
         )
 
-    stop_signal = []
+    stop_signal = []  # SIGTERM/SIGINT (a scheduler's preemption notice): finish the step, save, exit
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
-    step = run.resume_state["step"] if run.resume_state is not None else 0
+    step = run.resume.state["step"] if run.resume is not None else 0
     bar = cli.progress_bar(
         total=run.total_steps, initial=step, desc="train", dynamic_ncols=True, disable=not accelerator.is_main_process
     )
     if step == 0 and cfg.eval_at_start:
         validate_at(0)
-    engine = model if accelerator.state.deepspeed_plugin is not None else None  # DeepSpeed counts skipped steps
-    skipped_at_start, skipped_here = (engine.skipped_steps if engine else 0), 0
-    interval = {"steps": 0, "loss_sum": 0.0, "t0": time.perf_counter()}
+    interval = metrics.Interval()
     while step < run.total_steps:
-        lr = plan.lr_at(step, cfg.lr, cfg.warmup_steps, cfg.lr_decay_steps or run.total_steps, cfg.min_lr_ratio)
-        loss, grad_norm, stop_requested = optimizer_step(
-            model, optimizer, balancer, accelerator, run, step, lr, bool(stop_signal)
-        )
-        skipped_here += int(engine is None and accelerator.optimizer_step_was_skipped)
+        # One optimizer step over `accum` micro-batches. A MoE model's balance loss is added to what is
+        # backpropagated (not to the loss logged), and its routers' biases move once the step is taken.
+        lr = run.schedule.lr(step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum, grad_norm = torch.zeros((), device=accelerator.device), None
+        for micro_step in range(accum):
+            inputs, targets = get_batch(run.data, sample_ids(step, micro_step, rank, run.batch), cfg.seq_len, cfg.seed)
+            with accelerator.accumulate(model):
+                with balancer.collecting() if balancer else contextlib.nullcontext():
+                    loss = lm_loss(model, inputs.to(accelerator.device), targets.to(accelerator.device))
+                if cli.fault("nan_loss", rank, step + 1):
+                    loss = loss * float("nan")
+                aux_loss = balancer.aux_loss() if balancer else None
+                backward(accelerator, loss if aux_loss is None else loss + aux_loss, step + 1)
+                if accelerator.sync_gradients:
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
+                optimizer.step()
+                optimizer.zero_grad()
+            loss_sum += loss.detach()
+        if balancer:
+            balancer.update(accelerator)
+        cli.fault("sigterm_launcher", rank, step + 1)
+        # One collective carries the loss and whether any process was asked to stop.
+        stop = torch.tensor(float(bool(stop_signal)), device=loss_sum.device)
+        reduced = accelerator.reduce(torch.stack([loss_sum / accum, stop]))
+        step_loss, stop_requested = float(reduced[0]) / accelerator.num_processes, bool(reduced[1] > 0)
+        grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+        if run.launch.precision != "fp16" and not (math.isfinite(step_loss) and math.isfinite(grad_norm)):
+            raise Diverged(  # fp16 overflow is DeepSpeed's to skip; in fp32/bf16 a non-finite step is fatal
+                f"step {step + 1}: loss {step_loss} / grad norm {grad_norm} is not finite; stopping without saving. "
+                f"The last checkpoint is intact: lower --lr, raise --warmup_steps or check the data, then --resume auto"
+            )
         step += 1
-        interval["steps"] += 1
-        interval["loss_sum"] += loss
+        interval.steps, interval.loss_sum = interval.steps + 1, interval.loss_sum + step_loss
         bar.update(1)
+
         if step % cfg.log_every == 0 or step == run.total_steps or stop_requested:
-            interval["seconds"] = time.perf_counter() - interval["t0"]
-            skipped = (engine.skipped_steps - skipped_at_start) if engine else skipped_here
-            scale = fp16_loss_scale(engine, accelerator.scaler) if run.launch.precision == "fp16" else None
-            extra = balancer.metrics(accelerator) if balancer else {}
-            record, line = log_step(accelerator, run, step, interval, lr, grad_norm, peak_flops, scale, skipped, extra)
+            record = metrics.metrics_record(run, parts, step, interval, {"lr": lr, "grad_norm": grad_norm})
             bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{lr:.2e}")
-            log(record, line)
-            interval = {"steps": 0, "loss_sum": 0.0, "t0": time.perf_counter()}
+            log(record, metrics.console_line(record, run.total_steps))
+            interval = metrics.Interval()
         pause_t0 = time.perf_counter()
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == run.total_steps:
             validate_at(step)
         if (cfg.save_every and step % cfg.save_every == 0) or step == run.total_steps or stop_requested:
             saved = checkpoint.save_checkpoint(
-                accelerator, ckpt_root, step, run.state_at(step), cfg.keep_last, run.resume_from, finaliser,
-                run.model_config,
-            )  # fmt: skip
+                accelerator,
+                checkpoint.Save(ckpt_root, step, run.state_at(step), run.model_config, cfg.keep_last),
+                run.resume.path if run.resume else None,
+                parts.finaliser,
+            )
             accelerator.print(f"saved {saved}")
             # A signal that came while the checkpoint was written stops the run now, not one step and checkpoint later.
             stop_requested = stop_requested or any_process(accelerator, bool(stop_signal))
-        interval["t0"] += time.perf_counter() - pause_t0  # throughput counts training time only
+        interval.t0 += time.perf_counter() - pause_t0  # throughput counts training time only
         if stop_requested and step < run.total_steps:
             bar.close()
             accelerator.print(
@@ -673,19 +537,20 @@ def train(cfg: Config, given: set[str]) -> int:
             accelerator.end_training()
             return 0
     bar.close()
-    finish(accelerator, model, tokenizer, out, finaliser)
+    finish(run, parts)
     return 0
 
 
-def finish(accelerator, model, tokenizer, out: Path, finaliser: bool) -> None:
-    """After the last step's checkpoint: OUT/final and the loss curve."""
-    final = checkpoint.export_final(accelerator, model, tokenizer, out)
-    if finaliser:
+def finish(run: Run, parts: Parts) -> None:
+    """After the last step's checkpoint: OUT/final, the loss curve, and what the finished run no longer needs."""
+    accelerator, out = parts.accelerator, Path(run.cfg.output_dir)
+    final = checkpoint.export_final(accelerator, parts.model, run.tokenizer, out)
+    if parts.finaliser:
         removed = checkpoint.remove_leftovers(out / "checkpoints", finished=True)
         if removed:
             print(f"removed from {out / 'checkpoints'}, no longer needed by the finished run: {', '.join(removed)}")
     if accelerator.is_main_process:
-        plot_losses(out / "metrics.jsonl", out / "loss_curve.png")
+        metrics.plot_losses(out / "metrics.jsonl", out / "loss_curve.png")
         accelerator.print(
             f"done: model in {final}, loss curve in {out / 'loss_curve.png'}, metrics in {out / 'metrics.jsonl'}"
         )
@@ -696,13 +561,13 @@ def run_plan(cfg: Config) -> int:
     """`train.py --plan`: the plan for a config on paper, no process group and no GPU needed."""
     try:
         launch = plan.read_launch(cfg.accelerate_config or "accelerate_configs/zero3_cpu.yaml")
-        meta = lmdata.read_meta(cfg.data_dir) if (Path(cfg.data_dir) / "meta.json").is_file() else None
-        model_config = plan.load_model_config(cfg.model_config, cfg.init_from, cfg.seq_len, meta)
+        meta = token_data.read_meta(cfg.data_dir) if (Path(cfg.data_dir) / "meta.json").is_file() else None
+        model_config = models.load_model_config(cfg.model_config, cfg.init_from, cfg.seq_len, meta)
     except (OSError, KeyError, UserError) as e:
         cli.print_error(str(e))
         return 2
     peak = plan.GPU_PEAK_FLOPS["RTX 4090"] if launch.gpu else 0.1e12  # the target card; a CPU core at ~100 GFLOP/s
-    batch = plan.batch_plan(cfg.micro_batch_size, launch.grad_accum_steps, launch.world_size, cfg.seq_len)
+    batch = plan.BatchPlan(cfg.micro_batch_size, launch.grad_accum_steps, launch.world_size, cfg.seq_len)
     flops_tok = plan.model_flops_per_token(model_config, cfg.seq_len)
     lines, _ = plan.plan_report(cfg, model_config, launch, batch, flops_tok, cfg.gpu_memory_gib, peak, cfg.max_steps)
     print("\n".join(lines))
@@ -723,6 +588,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (Diverged, checkpoint.CheckpointWriteError) as e:  # the last complete checkpoint is intact
         cli.print_error(str(e))
+        return 3
+    except OSError as e:  # a full disk, a file size limit, a vanished mount while writing metrics or final/
+        cli.print_error(f"{e.filename}: {e.strerror or e}; complete checkpoints are intact: fix it, then --resume auto")
         return 3
 
 

@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmark scripts: where results go and how a row is recorded."""
+"""Helpers shared by the benchmark scripts: where results go and how a row is recorded; and, shared with tests/ (which
+import this file), lm-evaluation-harness's wikitext task on local pages and a synthetic web-like corpus."""
 
 import json
 import os
@@ -7,7 +8,10 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -197,3 +201,102 @@ def raw_tokenizer_rate(tokenizer_json: Path, docs: list[str], processes: int) ->
     for w in workers:
         w.join()
     return sum(n for n, _ in done) / (max(t for _, t in done) - t0), sum(n for n, _ in done)
+
+
+HARNESS_TASK_YAML = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {pages}
+output_type: loglikelihood_rolling
+test_split: test
+doc_to_text: ""
+doc_to_target: !function harness_wikitext.wikitext_detokenizer
+process_results: !function harness_wikitext.process_results
+metric_list:
+  - metric: word_perplexity
+  - metric: byte_perplexity
+  - metric: bits_per_byte
+"""
+
+
+def write_harness_wikitext_task(pages: list[str], directory: Path, name: str = "wikitext_local") -> str:
+    """lm-evaluation-harness's `wikitext` task on local pages (its Hub dataset out of reach): the same output type,
+    metrics, detokenizer and process_results, imported from the harness, with the pages from a JSONL. Run it with
+    `lm_eval --tasks NAME --include_path DIRECTORY ...`. Returns NAME."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "pages.jsonl").write_text("".join(json.dumps({"page": p}) + "\n" for p in pages))
+    (directory / f"{name}.yaml").write_text(
+        HARNESS_TASK_YAML.format(name=name, pages=(directory / "pages.jsonl").resolve())
+    )
+    (directory / "harness_wikitext.py").write_text(
+        "from lm_eval.tasks.wikitext.preprocess_wikitext import process_results, wikitext_detokenizer  # noqa: F401\n"
+    )
+    return name
+
+
+def harness_command(model_dir, task_dir: Path, name: str, batch_size: int, output_path: Path) -> list[str]:
+    """`lm_eval` on the task write_harness_wikitext_task made, fp32 on the CPU, as a user runs it (offline: run it with
+    HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1). read_harness_results reads what it writes."""
+    return [
+        sys.executable,
+        "-m",
+        "lm_eval",
+        "--model",
+        "hf",
+        "--model_args",
+        f"pretrained={model_dir},dtype=float32",
+        "--tasks",
+        name,
+        "--include_path",
+        str(task_dir),
+        "--batch_size",
+        str(batch_size),
+        "--device",
+        "cpu",
+        "--output_path",
+        str(output_path),
+    ]
+
+
+def read_harness_results(output_path: Path, name: str) -> dict:
+    """The task's metrics from the one results_*.json lm_eval wrote under output_path, e.g. {"word_perplexity": ...}."""
+    (results,) = Path(output_path).rglob("results_*.json")
+    return {k.split(",")[0]: v for k, v in json.loads(results.read_text())["results"][name].items()}
+
+
+def synthetic_web_documents(n_bytes: int, seed: int = 0) -> Iterator[str]:
+    """Web-like documents for benchmarks and tests, about n_bytes of UTF-8 in all, deterministic for a seed: a long
+    tail of lengths, paragraphs, 30,000 made-up words drawn with Zipf frequencies, numbers, URLs and some non-ASCII
+    text (accents, CJK, Cyrillic, Arabic, emoji)."""
+    rng = np.random.default_rng(seed)
+    syllables = [
+        c + v
+        for c in ["", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "st", "tr", "ch"]
+        for v in ["a", "e", "i", "o", "u", "ai", "ou", "er", "an", "in"]
+    ]
+    lengths = rng.integers(1, 5, 30_000)
+    vocab = np.array(["".join(syllables[j] for j in rng.integers(0, len(syllables), n)) for n in lengths])
+    cdf = np.cumsum(1 / np.arange(1, len(vocab) + 1))
+    cdf /= cdf[-1]
+    extra = ["café", "naïve", "Zürich", "São Paulo", "東京", "数据", "モデル", "Привет", "مرحبا", "🙂", "→", "€12.50"]
+    done = 0
+    while done < n_bytes:
+        paragraphs = []
+        for _ in range(int(rng.integers(1, 12))):
+            n = int(rng.lognormal(3.8, 0.8)) + 3
+            words = vocab[np.minimum(np.searchsorted(cdf, rng.random(n)), len(vocab) - 1)].tolist()
+            for j in np.nonzero(rng.random(n) < 0.03)[0]:
+                words[j] = extra[int(rng.integers(0, len(extra)))]
+            for j in np.nonzero(rng.random(n) < 0.02)[0]:
+                words[j] = (
+                    str(int(rng.integers(0, 10**6)))
+                    if rng.random() < 0.7
+                    else f"https://example.org/{int(rng.integers(0, 10**5))}"
+                )
+            for j in np.nonzero(rng.random(n) < 0.06)[0]:
+                words[j] += ","
+            paragraphs.append(" ".join(words).capitalize() + ".")
+        doc = "\n\n".join(paragraphs)
+        done += len(doc.encode("utf-8"))
+        yield doc

@@ -16,12 +16,12 @@ import time
 from pathlib import Path
 
 import torch
-
 from common import REPO, prepare_docs, record
 
-import lmdata
+import documents
 import lmloss
-import plan
+import models
+import token_data
 
 
 def main():
@@ -36,16 +36,16 @@ def main():
         data = prepare_docs(tmp)
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        meta = lmdata.read_meta(data)
+        meta = token_data.read_meta(data)
         tok = AutoTokenizer.from_pretrained(data / "tokenizer")
-        mc = plan.load_model_config(args.model_config, "", args.max_length, meta)
+        mc = models.load_model_config(args.model_config, "", args.max_length, meta)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(mc, attn_implementation="sdpa", dtype=torch.float32).eval()
         source = wikitext if wikitext.is_file() else data / "validation.jsonl"
         texts = (
-            lmdata.harness_wikitext_pages(wikitext.read_text(encoding="utf-8"))
+            documents.harness_wikitext_pages(wikitext.read_text(encoding="utf-8"))
             if wikitext.is_file()
-            else list(lmdata.jsonl_documents(source, "text", lmdata.SourceStats()))
+            else list(documents.jsonl_documents(source, "text", documents.SourceStats()))
         )[: args.max_documents]
         windows = lmloss.make_windows(texts, tok, tok.eos_token_id, args.max_length, args.max_length)
         order = sorted(range(len(windows)), key=lambda i: -len(windows[i][0]))

@@ -19,9 +19,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REPO, prepare_docs, record, sh
+from common import REPO, harness_command, prepare_docs, read_harness_results, record, sh, write_harness_wikitext_task
 
-import lmdata
+import documents
+import token_data
 
 
 def timed(cmd: list[str], env: dict | None = None) -> float:
@@ -44,7 +45,7 @@ def main():
         tmp = Path(tmp)
         model_dir = make_model(prepare_docs(str(tmp), vocab=4096), args.model_config, tmp / "model")
         task = tmp / "task"
-        name = lmdata.write_harness_wikitext_task(lmdata.harness_wikitext_pages(raw.read_text(encoding="utf-8")), task)
+        name = write_harness_wikitext_task(documents.harness_wikitext_pages(raw.read_text(encoding="utf-8")), task)
         eval_cmd = [sys.executable, "eval.py", "--model", str(model_dir), "--dataset", str(raw), "--dtype", "float32",
                     "--output_json", str(tmp / "eval.json")]  # fmt: skip
         eval_s, harness_s, harness = [], {}, {}
@@ -53,10 +54,8 @@ def main():
             sizes = args.harness_batch_sizes if r == 0 else [min(harness_s, key=lambda bs: min(harness_s[bs]))]
             for bs in sizes:
                 out = tmp / f"harness{bs}-round{r}"
-                harness_s.setdefault(bs, []).append(
-                    timed(lmdata.harness_command(model_dir, task, name, bs, out), offline)
-                )
-                harness[bs] = lmdata.read_harness_results(out, name)["word_perplexity"]
+                harness_s.setdefault(bs, []).append(timed(harness_command(model_dir, task, name, bs, out), offline))
+                harness[bs] = read_harness_results(out, name)["word_perplexity"]
         ours = json.loads((tmp / "eval.json").read_text())
     best = min(harness_s, key=lambda bs: min(harness_s[bs]))
     for bs, ppl in harness.items():
@@ -76,7 +75,7 @@ def make_model(data: Path, model_config: str, out: Path) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    meta = lmdata.read_meta(data)
+    meta = token_data.read_meta(data)
     preset = json.loads((REPO / "model_configs" / f"{model_config}.json").read_text())
     config = AutoConfig.for_model(
         preset.pop("model_type"),

@@ -20,16 +20,16 @@ import time
 from pathlib import Path
 
 import torch
-
 from common import free_port, prepare_docs, record, train_py_rate
 
-import lmdata
+import models
 import plan
+import token_data
 
 
 def dense_twin(moe_config, dense_preset: str, seq_len: int, meta: dict, out: Path) -> tuple[Path, float, float]:
     """A config.json of the dense preset whose FLOPs per token equal the MoE's: (path, MoE FLOPs, dense FLOPs)."""
-    dense = plan.load_model_config(dense_preset, "", seq_len, meta)
+    dense = models.load_model_config(dense_preset, "", seq_len, meta)
     target = plan.model_flops_per_token(moe_config, seq_len)
     per_unit = 6 * 3 * dense.hidden_size * dense.num_hidden_layers  # FLOPs per token per unit of intermediate_size
     dense.intermediate_size += round((target - plan.model_flops_per_token(dense, seq_len)) / per_unit)
@@ -85,8 +85,8 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         data = prepare_docs(str(tmp), vocab=4096)
-        meta = lmdata.read_meta(data)
-        moe_config = plan.load_model_config(args.moe, "", args.seq_len, meta)
+        meta = token_data.read_meta(data)
+        moe_config = models.load_model_config(args.moe, "", args.seq_len, meta)
         dense_path, moe_flops, dense_flops = dense_twin(moe_config, args.dense, args.seq_len, meta, tmp / "dense")
         models = {"moe": args.moe, "dense": str(dense_path)}
         for r in range(args.rounds):

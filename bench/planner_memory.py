@@ -15,8 +15,9 @@ from pathlib import Path
 
 from common import prepare_docs, record, sh
 
-import lmdata
+import models
 import plan
+import token_data
 
 
 def main():
@@ -60,7 +61,7 @@ def main():
             )
             before = json.loads((out / "config.json").read_text())["peak_mem_before_model_gib"]
             peak = max(json.loads(l).get("peak_mem_gib", 0) for l in (out / "metrics.jsonl").read_text().splitlines())
-            mc = plan.load_model_config(args.model_config, "", args.seq_len, lmdata.read_meta(data))
+            mc = models.load_model_config(args.model_config, "", args.seq_len, token_data.read_meta(data))
             estimate = plan.memory_plan(mc, 1, args.micro_batch_size, args.seq_len, "fp32", False, False, ckpt, "sdpa")
             predicted = (
                 estimate["gpu_total"] - estimate["gpu"]["gathered_largest_tensor"]

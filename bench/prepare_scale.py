@@ -3,7 +3,7 @@
 
     python bench/prepare_scale.py [--sizes_mb 200 1000] [--num_proc 2] [--long_doc_mb 200] [--rows all]
 
-The corpus is synthetic web-like text (lmdata.synthetic_web_documents: Zipf-distributed words, varied lengths,
+The corpus is synthetic web-like text (common.py's synthetic_web_documents: Zipf-distributed words, varied lengths,
 Unicode) written as .jsonl; the tokenizer a byte-level BPE of 8,192 tokens trained on 20 MB of the same kind of text.
 prepare_data.py runs as a user runs it; this script samples the summed RSS of its process tree (main process and
 tokenizer processes) and the bytes in its partial and output directories every 0.1 s.
@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 
 import psutil
-from common import REPO, raw_tokenizer_rate, record, sh
+from common import REPO, raw_tokenizer_rate, record, sh, synthetic_web_documents
 
-import lmdata
+import token_data
 
 
 def tree_rss(proc: psutil.Process) -> int:
@@ -55,7 +55,7 @@ def dir_bytes(*dirs: Path) -> int:
 def write_corpus(path: Path, n_bytes: int) -> int:
     docs = 0
     with open(path, "w", encoding="utf-8") as f:
-        for doc in lmdata.synthetic_web_documents(n_bytes, seed=0):
+        for doc in synthetic_web_documents(n_bytes, seed=0):
             f.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
             docs += 1
     return docs
@@ -87,7 +87,7 @@ def run_prepare(corpus: Path, tokenizer: Path, out: Path, num_proc: int, cache: 
         raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}:\n{stdout[-3000:]}")
     line = stdout.strip().splitlines()[-1]
     rate = float(re.search(r"tokenized at ([\d,]+) tokens/s", line).group(1).replace(",", ""))
-    meta = lmdata.read_meta(out)
+    meta = token_data.read_meta(out)
     output = dir_bytes(out)
     return {
         "tokens": sum(s["tokens"] for s in meta["splits"].values()),
@@ -104,7 +104,7 @@ def write_long_document(path: Path, n_bytes: int) -> None:
     """One document of about n_bytes: web-like paragraphs in one .txt file (no WikiText titles, one document per
     file)."""
     with open(path, "w", encoding="utf-8") as f:
-        f.writelines(doc + "\n\n" for doc in lmdata.synthetic_web_documents(n_bytes, seed=1))
+        f.writelines(doc + "\n\n" for doc in synthetic_web_documents(n_bytes, seed=1))
 
 
 def long_document_rows(tmp: Path, tokenizer: Path, mb: int, num_proc: int) -> None:

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from common import raw_tokenizer_rate, record, sh
 
-import lmdata
+import corpora
+import token_data
 
 
 def main():
@@ -44,8 +45,8 @@ def main():
         )
         tokenizer = Path(tmp) / "tokenizer"
         (first / "tokenizer").rename(tokenizer)
-        source = lmdata.open_source(args.dataset)
-        docs = [text for text, _ in lmdata.routed_documents(source, lmdata.VALIDATION_FRACTION)]
+        source = corpora.open_source(args.dataset)
+        docs = [text for text, _ in corpora.routed_documents(source, corpora.VALIDATION_FRACTION)]
         raw, ours = [], []
         for i in range(args.repeats):  # interleaved, so drift on a noisy machine hits both sides alike
             rate, n_raw = raw_tokenizer_rate(tokenizer / "tokenizer.json", docs, 1)
@@ -63,7 +64,7 @@ def main():
                 ]
             )
             ours.append(float(re.search(r"tokenized at ([\d,]+) tokens/s", proc.stdout).group(1).replace(",", "")))
-        tokens = sum(s["tokens"] for s in lmdata.read_meta(Path(tmp) / "run0")["splits"].values())
+        tokens = sum(s["tokens"] for s in token_data.read_meta(Path(tmp) / "run0")["splits"].values())
         assert tokens == n_raw + len(docs), (tokens, n_raw, len(docs))
     best_raw, best_ours = max(raw), max(ours)
     record(

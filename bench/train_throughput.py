@@ -23,27 +23,29 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
 from common import free_port, prepare_docs, record, sh, train_py_rate
 
-import lmdata
+import models
 import plan
+import token_data
 
 
 def bare_loop(data_dir: Path, model_config: str, seq_len: int, batch: int, steps: int) -> float:
     from transformers import AutoModelForCausalLM
 
-    meta = lmdata.read_meta(data_dir)
-    mc = plan.load_model_config(model_config, "", seq_len, meta)
+    meta = token_data.read_meta(data_dir)
+    mc = models.load_model_config(model_config, "", seq_len, meta)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(mc, attn_implementation="sdpa", dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
-    tokens = lmdata.load_split(data_dir, "train", meta)
-    n = lmdata.num_windows(len(tokens), seq_len)
+    tokens = token_data.load_split(data_dir, "train", meta)
+    n = token_data.num_windows(len(tokens), seq_len)
     times = []
     for step in range(steps):
         rows = torch.from_numpy(
-            __import__("numpy").stack([lmdata.window(tokens, (step * batch + j) % n, seq_len) for j in range(batch)])
+            __import__("numpy").stack(
+                [token_data.window(tokens, (step * batch + j) % n, seq_len) for j in range(batch)]
+            )
         )
         t0 = time.perf_counter()
         logits = model(input_ids=rows[:, :-1], use_cache=False).logits
@@ -95,7 +97,7 @@ def main():
             processes=1,
         )
         peak_after = matmul_peak()
-    c = plan.load_model_config(args.model_config, "", args.seq_len, {"vocab_size": 8192, "eos_id": 0})
+    c = models.load_model_config(args.model_config, "", args.seq_len, {"vocab_size": 8192, "eos_id": 0})
     counts = plan.llama_param_counts(c)
     flops_tok = plan.flops_per_token(counts["non_embedding"], c.num_hidden_layers, c.hidden_size, args.seq_len)
     peak = max(peak, peak_after)

@@ -15,7 +15,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from common import add_zero3_vs_ddp_args, REPO, free_port, prepare_docs, record, train_py_rate
+from common import REPO, add_zero3_vs_ddp_args, free_port, prepare_docs, record, train_py_rate
 
 SHIPPED = json.loads((REPO / "accelerate_configs" / "zero3_cpu.json").read_text())
 VARIANTS = {  # name -> changes to zero_optimization (None: the step-0 validation left on)

@@ -15,7 +15,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from common import add_zero3_vs_ddp_args, prepare_docs, record, train_py_rate, free_port
+from common import add_zero3_vs_ddp_args, free_port, prepare_docs, record, train_py_rate
 
 LAUNCHERS = {
     "ddp": (

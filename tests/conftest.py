@@ -12,6 +12,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+# bench/common.py holds what tests and benchmarks share (the harness command, a synthetic web corpus): one copy.
+sys.path.append(str(REPO / "bench"))
 # Real WikiText-2 text, when the checkout sits next to the project's shared/ folder (or WIKITEXT2_DIR points at it).
 WIKITEXT2 = Path(os.environ.get("WIKITEXT2_DIR", REPO.parent / "shared" / "data" / "wikitext-2"))
 needs_wikitext = pytest.mark.skipif(
@@ -150,11 +152,12 @@ def reloaded_model(final_dir, data_dir) -> dict:
     """OUT/final in a fresh process, as a user loads it: its class, its mean loss on the first 2048 validation tokens in
     32-token windows (what train.py's runs here log as val_loss), and the length of a greedy 4-token continuation."""
     script = f"""
-import sys; sys.path.insert(0, "."); import json, torch, numpy as np, lmdata, lmloss
+import sys; sys.path.insert(0, "."); import json, torch, numpy as np, token_data, lmloss
 from transformers import AutoModelForCausalLM
 m = AutoModelForCausalLM.from_pretrained("{final_dir}").eval()
-tokens = lmdata.load_split("{data_dir}", "validation")[: 2048 + 1]
-rows = torch.from_numpy(np.stack([lmdata.window(tokens, i, 32) for i in range(lmdata.num_windows(len(tokens), 32))]))
+tokens = token_data.load_split("{data_dir}", "validation")[: 2048 + 1]
+n = token_data.num_windows(len(tokens), 32)
+rows = torch.from_numpy(np.stack([token_data.window(tokens, i, 32) for i in range(n)]))
 with torch.no_grad():
     nll, n = lmloss.nll_sum(m(input_ids=rows[:, :-1]).logits, rows[:, 1:])
     generated = m.generate(rows[:1, :8], max_new_tokens=4, do_sample=False)

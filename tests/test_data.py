@@ -1,4 +1,5 @@
-"""prepare_data.py and the data format (lmdata.py): pure functions, real runs, and every bad input."""
+"""prepare_data.py, its readers and the data format (documents.py, corpora.py, token_data.py): pure functions, real
+runs, and every bad input."""
 
 import json
 import os
@@ -9,9 +10,12 @@ import time
 import numpy as np
 import pytest
 
-import lmdata
-from cli import UserError
+import corpora
+import documents
 import prepare_data
+import token_data
+from cli import UserError
+from common import synthetic_web_documents
 from conftest import REPO, WIKITEXT2, needs_wikitext, run
 
 PREPARE = [sys.executable, "prepare_data.py"]
@@ -22,44 +26,44 @@ WIKI = " \n = Alpha = \n \n Alpha text . \n \n = = Section = = \n \n More alpha 
 
 
 def test_wikitext_articles_split_at_top_level_titles_only():
-    docs = lmdata.split_wikitext_articles(WIKI)
+    docs = documents.split_wikitext_articles(WIKI)
     assert [d.splitlines()[0] for d in docs] == [" = Alpha = ", " = Beta = "]
     assert "= = Section = =" in docs[0] and "More alpha" in docs[0]
     assert "".join(docs) == WIKI[len(" \n") :]  # every byte after the first title is kept, once
 
 
 def test_blank_line_blocks():
-    assert lmdata.split_blank_line_blocks("a b\nc\n\n \n\nd\n\n") == ["a b\nc", "d"]
+    assert documents.split_blank_line_blocks("a b\nc\n\n \n\nd\n\n") == ["a b\nc", "d"]
 
 
 def test_token_dtype_boundary():
-    assert lmdata.token_dtype(65536) == np.uint16
-    assert lmdata.token_dtype(65537) == np.uint32
-    assert lmdata.token_dtype(102400) == np.uint32
+    assert token_data.token_dtype(65536) == np.uint16
+    assert token_data.token_dtype(65537) == np.uint32
+    assert token_data.token_dtype(102400) == np.uint32
 
 
 def test_held_out_rule_needs_no_count_and_is_deterministic():
     docs = [f"document {i} " * (1 + i % 7) for i in range(20_000)]
-    held = [d for d in docs if lmdata.is_held_out(d, 0.05)]
+    held = [d for d in docs if documents.is_held_out(d, 0.05)]
     assert 0.045 < len(held) / len(docs) < 0.055  # the fraction, on a stream of unknown length
-    assert held == [d for d in docs if lmdata.is_held_out(d, 0.05)]  # the same split every time
-    assert all(lmdata.is_held_out(d, 0.1) for d in held)  # a larger fraction only adds documents
-    train, val = lmdata.split_by_position("line one\nline two\nline three\nline four\n", 0.25)
+    assert held == [d for d in docs if documents.is_held_out(d, 0.05)]  # the same split every time
+    assert all(documents.is_held_out(d, 0.1) for d in held)  # a larger fraction only adds documents
+    train, val = documents.split_by_position("line one\nline two\nline three\nline four\n", 0.25)
     assert train == "line one\nline two\nline three\n" and val == "line four\n"
-    assert lmdata.split_by_position("no line end at all", 0.3) == ("no line end at all", "")
+    assert documents.split_by_position("no line end at all", 0.3) == ("no line end at all", "")
 
 
 def test_windows_and_sample_order():
     tokens = np.arange(101)
-    assert lmdata.num_windows(101, 10) == 10
-    assert lmdata.window(tokens, 3, 10).tolist() == list(range(30, 41))  # seq_len + 1 tokens, overlapping by one
+    assert token_data.num_windows(101, 10) == 10
+    assert token_data.window(tokens, 3, 10).tolist() == list(range(30, 41))  # seq_len + 1 tokens, overlapping by one
     n = 7
-    epoch0 = [lmdata.sample_window(5, i, n) for i in range(n)]
-    epoch1 = [lmdata.sample_window(5, i, n) for i in range(n, 2 * n)]
+    epoch0 = [token_data.sample_window(5, i, n) for i in range(n)]
+    epoch1 = [token_data.sample_window(5, i, n) for i in range(n, 2 * n)]
     assert sorted(w for _, w in epoch0) == list(range(n)) and sorted(w for _, w in epoch1) == list(range(n))
     assert {e for e, _ in epoch0} == {0} and {e for e, _ in epoch1} == {1}
     assert [w for _, w in epoch0] != [w for _, w in epoch1]
-    assert lmdata.sample_window(5, 9, n) == lmdata.sample_window(5, 9, n)
+    assert token_data.sample_window(5, 9, n) == token_data.sample_window(5, 9, n)
 
 
 def test_bpe_spec():
@@ -73,7 +77,7 @@ def test_bpe_spec():
 def test_undecodable_bytes_are_replaced_and_counted(tmp_path):
     f = tmp_path / "bad.txt"
     f.write_bytes(b"good \xff\xfe text \xef\xbf\xbd kept\n")  # two bad bytes and one real U+FFFD
-    text, replaced = lmdata.read_text(f)
+    text, replaced = documents.read_text(f)
     assert replaced == 2 and text.count("\ufffd") == 3
 
 
@@ -81,23 +85,23 @@ def test_undecodable_bytes_are_replaced_and_counted(tmp_path):
 
 
 def test_reader_checks_size_dtype_and_version(docs_data, tmp_path):
-    meta = lmdata.read_meta(docs_data)
-    train = lmdata.load_split(docs_data, "train", meta)
+    meta = token_data.read_meta(docs_data)
+    train = token_data.load_split(docs_data, "train", meta)
     assert len(train) == meta["splits"]["train"]["tokens"] and train.dtype == np.uint16
     bad = tmp_path / "bad"
     shutil.copytree(docs_data, bad)
     with open(bad / "train.bin", "ab") as f:
         f.write(b"\0\0")
     with pytest.raises(UserError, match="truncated or foreign"):
-        lmdata.load_split(bad, "train")
+        token_data.load_split(bad, "train")
     for key, value, match in (("format_version", 99, "format version"), ("dtype", "uint32", "dtype")):
         m = json.loads((docs_data / "meta.json").read_text())
         m[key] = value
         (bad / "meta.json").write_text(json.dumps(m))
         with pytest.raises(UserError, match=match):
-            lmdata.read_meta(bad)
+            token_data.read_meta(bad)
     with pytest.raises(UserError, match="no meta.json"):
-        lmdata.read_meta(tmp_path)
+        token_data.read_meta(tmp_path)
 
 
 # --- real runs ----------------------------------------------------------------------------------------------------
@@ -109,7 +113,7 @@ def test_python_docs_needs_no_network_or_files(docs_data):
     assert meta["sources"][0]["spec"] == "python-docs" and len(meta["sources"][0]["sha256"]) == 64
     assert meta["splits"]["train"]["bytes"] > 1_000_000  # ~1.9 MB of English on Python 3.11
     assert meta["vocab_size"] == 512 and meta["dtype"] == "uint16"
-    tokens = lmdata.load_split(docs_data, "train", meta)
+    tokens = token_data.load_split(docs_data, "train", meta)
     assert int((np.asarray(tokens) == meta["eos_id"]).sum()) == meta["splits"]["train"]["documents"]
     assert tokens[-1] == meta["eos_id"]
     held = [json.loads(line)["text"] for line in (docs_data / "validation.jsonl").read_text().splitlines()]
@@ -147,7 +151,7 @@ def test_other_inputs_need_overwrite(docs_data, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(docs_data, copy)
     run(PREPARE + ["--dataset", "python-docs", "--tokenizer", "bpe:600", "--output_dir", copy, "--overwrite"])
-    assert lmdata.read_meta(copy)["vocab_size"] == 600 and not list(tmp_path.glob(".copy*"))
+    assert token_data.read_meta(copy)["vocab_size"] == 600 and not list(tmp_path.glob(".copy*"))
 
 
 @needs_wikitext
@@ -156,16 +160,16 @@ def test_wikitext2_round_trip_and_counts(tmp_path):
 
     out = tmp_path / "wt2"
     run(PREPARE + ["--dataset", str(WIKITEXT2), "--tokenizer", "bpe:8192", "--output_dir", out])
-    meta = lmdata.read_meta(out)
+    meta = token_data.read_meta(out)
     assert set(meta["splits"]) == {"train", "validation", "test"}
     tok = AutoTokenizer.from_pretrained(out / "tokenizer")
     eos = meta["eos_id"]
-    test_tokens = np.asarray(lmdata.load_split(out, "test", meta))
+    test_tokens = np.asarray(token_data.load_split(out, "test", meta))
     first_doc = test_tokens[: int(np.argmax(test_tokens == eos))].tolist()
     articles = {
-        "test": lmdata.split_wikitext_articles((WIKITEXT2 / "wiki.test.raw").read_text(encoding="utf-8")),
-        "validation": lmdata.split_wikitext_articles((WIKITEXT2 / "wiki.valid.raw").read_text(encoding="utf-8")),
-        "train": lmdata.split_wikitext_articles((WIKITEXT2 / "wiki.train.tokens").read_text(encoding="utf-8")),
+        "test": documents.split_wikitext_articles((WIKITEXT2 / "wiki.test.raw").read_text(encoding="utf-8")),
+        "validation": documents.split_wikitext_articles((WIKITEXT2 / "wiki.valid.raw").read_text(encoding="utf-8")),
+        "train": documents.split_wikitext_articles((WIKITEXT2 / "wiki.train.tokens").read_text(encoding="utf-8")),
     }
     assert tok.decode(first_doc) == articles["test"][0]
     assert articles["test"][0].startswith(" = Robert Boulter = \n")
@@ -175,7 +179,7 @@ def test_wikitext2_round_trip_and_counts(tmp_path):
         assert meta["splits"][split]["documents"] == len(docs)
 
 
-class LocalHub(lmdata.HubAccess):
+class LocalHub(corpora.HubAccess):
     """The Hub's file listing and file reads served from a local directory laid out like the Hub, one folder per
     revision (ROOT/main/..., ROOT/refs/convert/parquet/...): everything of a Hub preset but the HTTP requests."""
 
@@ -205,11 +209,11 @@ def test_openwebtext_preset_falls_back_to_the_hubs_parquet_conversion(tmp_path, 
     Hub's Parquet conversion instead, through the whole prepare_data.py pipeline, and records the commit it read."""
     (tmp_path / "hub" / "main").mkdir(parents=True)
     (tmp_path / "hub" / "main" / "openwebtext.py").write_text("# a loading script\n")
-    docs = list(lmdata.synthetic_web_documents(300_000, seed=1))
+    docs = list(synthetic_web_documents(300_000, seed=1))
     write_parquet(tmp_path / "hub" / "refs/convert/parquet" / "plain_text/train/0000.parquet", docs[: len(docs) // 2])
     write_parquet(tmp_path / "hub" / "refs/convert/parquet" / "plain_text/train/0001.parquet", docs[len(docs) // 2 :])
-    monkeypatch.setattr(lmdata, "HubAccess", lambda: LocalHub(tmp_path / "hub"))
-    monkeypatch.setattr(lmdata, "hub_unreachable_reason", lambda: None)
+    monkeypatch.setattr(corpora, "HubAccess", lambda: LocalHub(tmp_path / "hub"))
+    monkeypatch.setattr(corpora, "hub_unreachable_reason", lambda: None)
     out = tmp_path / "owt"
     assert (
         prepare_data.main(
@@ -228,7 +232,7 @@ def test_openwebtext_preset_falls_back_to_the_hubs_parquet_conversion(tmp_path, 
         )
         == 0
     )
-    meta = lmdata.read_meta(out)
+    meta = token_data.read_meta(out)
     (source,) = meta["sources"]
     assert (source["revision"], source["commit"], source["files"]) == (
         "refs/convert/parquet",
@@ -237,7 +241,7 @@ def test_openwebtext_preset_falls_back_to_the_hubs_parquet_conversion(tmp_path, 
     )
     assert sum(source["documents"].values()) == len(docs) and source["documents"]["validation"] > 0
     held = [json.loads(line)["text"] for line in (out / "validation.jsonl").read_text().splitlines()]
-    assert held == [d for d in docs if lmdata.is_held_out(d, 0.05)]
+    assert held == [d for d in docs if documents.is_held_out(d, 0.05)]
 
     # only a partial conversion, and a script on main: one line that says what to download and how to pass it
     shutil.move(
@@ -262,30 +266,30 @@ def test_hub_wikitext_rows_give_the_documents_of_the_local_file(tmp_path):
     assert len(rows) == 4358  # the Hub's row count for this split
     write_parquet(tmp_path / "main" / "wikitext-2-raw-v1" / "test-00000-of-00001.parquet", rows)
     write_parquet(tmp_path / "main" / "wikitext-103-raw-v1" / "test-00000-of-00001.parquet", ["not this subset\n"])
-    hub = lmdata.open_source("wikitext-2", hub=LocalHub(tmp_path))
+    hub = corpora.open_source("wikitext-2", hub=LocalHub(tmp_path))
     assert list(hub.splits) == ["test"] and hub.identity["revision"] == "main"
-    local = lmdata.open_source(str(WIKITEXT2 / "wiki.test.raw"))
+    local = corpora.open_source(str(WIKITEXT2 / "wiki.test.raw"))
     docs = list(hub.splits["test"]())
     assert docs == list(local.splits["train"]()) and len(docs) == 62
 
 
 def test_layout_splits_reads_hub_and_local_layouts():
-    assert lmdata.layout_splits(["plain_text/train/0000.parquet", "plain_text/validation/0000.parquet"]) == {
+    assert corpora.layout_splits(["plain_text/train/0000.parquet", "plain_text/validation/0000.parquet"]) == {
         "train": ["plain_text/train/0000.parquet"],
         "validation": ["plain_text/validation/0000.parquet"],
     }
-    assert lmdata.layout_splits(
+    assert corpora.layout_splits(
         ["w/test-00000-of-00001.parquet", "w/train-00000-of-00002.parquet", "w/valid.jsonl"]
     ) == {
         "test": ["w/test-00000-of-00001.parquet"],
         "train": ["w/train-00000-of-00002.parquet"],
         "validation": ["w/valid.jsonl"],
     }
-    assert lmdata.layout_splits(["a.txt", "notes/b.txt", "test_notes.txt"]) == {
+    assert corpora.layout_splits(["a.txt", "notes/b.txt", "test_notes.txt"]) == {
         "train": ["a.txt", "notes/b.txt", "test_notes.txt"]
     }
     with pytest.raises(UserError, match="partial"):
-        lmdata.layout_splits(["plain_text/partial-train/0000.parquet"])
+        corpora.layout_splits(["plain_text/partial-train/0000.parquet"])
 
 
 def test_several_sources_jsonl_parquet_and_tolerated_input(tmp_path):
@@ -315,7 +319,7 @@ def test_several_sources_jsonl_parquet_and_tolerated_input(tmp_path):
             "0.1",
         ]
     )
-    meta = lmdata.read_meta(out)
+    meta = token_data.read_meta(out)
     assert [sum(s["documents"].values()) for s in meta["sources"]] == [60, 60, 2]  # c.txt: one document, cut in two
     c = meta["sources"][2]
     assert (c["replaced_bytes"], c["crlf_line_ends"], c["bom_files"]) == (20, 20, 1)
@@ -325,7 +329,7 @@ def test_several_sources_jsonl_parquet_and_tolerated_input(tmp_path):
 
 
 def test_one_big_text_file_with_a_document_separator(tmp_path):
-    docs = list(lmdata.synthetic_web_documents(200_000, seed=2))
+    docs = list(synthetic_web_documents(200_000, seed=2))
     (tmp_path / "owt_sample.txt").write_text("\n\n\n".join(docs) + "\n")
     (tmp_path / "eot.txt").write_text("<|endoftext|>".join(docs))
     for name, separator in (("owt_sample.txt", "blank_line"), ("eot.txt", "<|endoftext|>")):
@@ -345,14 +349,14 @@ def test_one_big_text_file_with_a_document_separator(tmp_path):
                 "0.1",
             ]
         )
-        meta = lmdata.read_meta(out)
+        meta = token_data.read_meta(out)
         expected = [p for d in docs for p in d.split("\n\n")] if separator == "blank_line" else docs
         assert sum(s["documents"] for s in meta["splits"].values()) == len(expected), separator
 
 
 def web_corpus(path, n_bytes):
     path.write_text(
-        "".join(json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in lmdata.synthetic_web_documents(n_bytes))
+        "".join(json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in synthetic_web_documents(n_bytes))
     )
     return path
 

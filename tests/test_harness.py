@@ -5,14 +5,15 @@ JSONL because the Hub is out of reach. Word perplexity, byte perplexity and bits
 import pytest
 import torch
 
+import documents
 import eval as ev
-import lmdata
+from common import harness_command, read_harness_results, write_harness_wikitext_task
 from conftest import WIKITEXT2, needs_wikitext, run
 
 
 def test_harness_pages_split_at_titles_and_drop_the_newline():
     text = " \n = A = \n \n a text . \n \n = = S = = \n \n more \n = B = \n \n b \n"
-    pages = lmdata.harness_wikitext_pages(text)
+    pages = documents.harness_wikitext_pages(text)
     # The blank line before the first title is a whitespace-only page of its own, and is dropped.
     assert pages == [" = A = \n \n a text . \n \n = = S = = \n \n more ", " = B = \n \n b \n"]
 
@@ -20,15 +21,15 @@ def test_harness_pages_split_at_titles_and_drop_the_newline():
 def test_hub_rows_give_back_the_raw_file():
     raw = " \n = A = \n \n a . \n"
     rows = ["", " = A = \n", "", " a . \n"]  # the Hub's layout: a row a line, blank lines as empty strings
-    assert lmdata.wikitext_text_from_rows(rows) == raw
-    assert lmdata.wikitext_text_from_rows([r.rstrip("\n") for r in rows]) == raw  # rows without their newline too
+    assert documents.wikitext_text_from_rows(rows) == raw
+    assert documents.wikitext_text_from_rows([r.rstrip("\n") for r in rows]) == raw  # rows without their newline too
 
 
 @needs_wikitext
 def test_pages_are_the_harness_datasets():
     """EleutherAI/wikitext_document_level's test split, as counted from the Hub: 62 pages, 1,290,527 bytes,
     241,335 words."""
-    pages = lmdata.harness_wikitext_pages((WIKITEXT2 / "wiki.test.raw").read_text(encoding="utf-8"))
+    pages = documents.harness_wikitext_pages((WIKITEXT2 / "wiki.test.raw").read_text(encoding="utf-8"))
     assert len(pages) == 62
     assert sum(len(p.encode("utf-8")) for p in pages) == 1_290_527
     assert sum(ev.word_count(p) for p in pages) == 241_335
@@ -62,12 +63,12 @@ def tied_gpt2(docs_data, tmp_path_factory):
 
 def harness_wikitext(model_dir, tmp_path) -> dict:
     """`lm_eval --tasks wikitext` as a user runs it, on a local JSONL of the pages instead of the Hub dataset."""
-    pages = lmdata.harness_wikitext_pages((WIKITEXT2 / "wiki.test.raw").read_text(encoding="utf-8"))
+    pages = documents.harness_wikitext_pages((WIKITEXT2 / "wiki.test.raw").read_text(encoding="utf-8"))
     task = tmp_path / "task"
-    name = lmdata.write_harness_wikitext_task(pages, task)
+    name = write_harness_wikitext_task(pages, task)
     out = tmp_path / "harness"
-    run(lmdata.harness_command(model_dir, task, name, 8, out), env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
-    return lmdata.read_harness_results(out, name)
+    run(harness_command(model_dir, task, name, 8, out), env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    return read_harness_results(out, name)
 
 
 @needs_wikitext

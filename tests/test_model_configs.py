@@ -7,14 +7,14 @@ import json
 import sys
 
 import pytest
-
-import plan
-from cli import UserError
 from conftest import run
+
+import models
+from cli import UserError
 
 
 def preset(name: str) -> dict:
-    return json.loads((plan.MODEL_CONFIG_DIR / f"{name}.json").read_text())
+    return json.loads((models.MODEL_CONFIG_DIR / f"{name}.json").read_text())
 
 
 def without(d: dict, *keys: str) -> dict:
@@ -82,7 +82,7 @@ def test_incomplete_or_foreign_configs_are_refused(case, tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(d))
     with pytest.raises(UserError) as e:
-        plan.load_model_config(str(path), "", 32, None)
+        models.load_model_config(str(path), "", 32, None)
     assert f"--model_config {path}" in str(e.value) and message in str(e.value), str(e.value)
     # A Hugging Face directory given as --init_from (or as --model_config) goes through the same check.
     for model_config, init_from, flag in (
@@ -90,7 +90,7 @@ def test_incomplete_or_foreign_configs_are_refused(case, tmp_path):
         ("tiny", str(tmp_path), "--init_from"),
     ):
         with pytest.raises(UserError) as e:
-            plan.load_model_config(model_config, init_from, 32, None)
+            models.load_model_config(model_config, init_from, 32, None)
         assert f"{flag} {path}" in str(e.value) and message in str(e.value), str(e.value)
 
 
@@ -118,7 +118,7 @@ def test_damaged_config_files_are_refused_with_their_position(case, tmp_path):
     path = tmp_path / "bad.json"
     path.write_bytes(content)
     with pytest.raises(UserError) as e:
-        plan.load_model_config(str(path), "", 32, None)
+        models.load_model_config(str(path), "", 32, None)
     assert str(e.value).startswith(f"--model_config {path}") and message in str(e.value), str(e.value)
 
 
@@ -126,23 +126,23 @@ def test_init_from_must_be_a_model_directory(tmp_path):
     """`--init_from tiny` used to read the tiny preset as if it were a model directory (in --plan)."""
     for init_from in ("tiny", str(tmp_path)):
         with pytest.raises(UserError, match=r"--init_from .* is not a Hugging Face model directory \(no config.json\)"):
-            plan.load_model_config("tiny", init_from, 32, None)
+            models.load_model_config("tiny", init_from, 32, None)
 
 
 def test_presets_and_configs_transformers_writes_still_load(tmp_path):
     """No false refusals: every preset, what save_pretrained writes for each architecture (train.py's OUT/final),
     and a Hub-style config with the keys older transformers versions wrote."""
-    for path in sorted(plan.MODEL_CONFIG_DIR.glob("*.json")):
-        plan.load_model_config(path.stem, "", 128, None)
+    for path in sorted(models.MODEL_CONFIG_DIR.glob("*.json")):
+        models.load_model_config(path.stem, "", 128, None)
     for name in ("tiny", "deepseek-v3-tiny"):
-        config = plan.load_model_config(name, "", 32, {"vocab_size": 500, "eos_id": 0})
+        config = models.load_model_config(name, "", 32, {"vocab_size": 500, "eos_id": 0})
         config.save_pretrained(tmp_path / name)
-        assert plan.load_model_config("", str(tmp_path / name), 32, None).to_dict() == config.to_dict()
+        assert models.load_model_config("", str(tmp_path / name), 32, None).to_dict() == config.to_dict()
     hub = {**preset("tiny"), "_name_or_path": "x", "pretraining_tp": 1, "rope_scaling": None, "torch_dtype": "bfloat16",
            "transformers_version": "4.33.1", "use_cache": True, "max_length": 20}  # fmt: skip
     (tmp_path / "hub").mkdir()
     (tmp_path / "hub" / "config.json").write_text(json.dumps(hub))
-    assert plan.load_model_config("", str(tmp_path / "hub"), 32, None).hidden_size == 64
+    assert models.load_model_config("", str(tmp_path / "hub"), 32, None).hidden_size == 64
 
 
 @pytest.mark.parametrize("case", ["torn", "llama without hidden_size"], ids=str)

@@ -12,9 +12,10 @@ import sys
 
 import pytest
 import torch
-
-import plan
 from conftest import launch, metrics, reloaded_model, run, train_records
+
+import models
+import plan
 
 STEPS = 24
 HALF = 12
@@ -44,7 +45,7 @@ def test_planner_counts_equal_the_built_models():
     from transformers import AutoModelForCausalLM
 
     for name in ("deepseek-v3-tiny", "deepseek-v3-mini"):
-        c = plan.load_model_config(name, "", 128, {"vocab_size": 4096, "eos_id": 0})
+        c = models.load_model_config(name, "", 128, {"vocab_size": 4096, "eos_id": 0})
         model = AutoModelForCausalLM.from_config(c)
         counts = plan.param_counts(c)
         assert type(model).__name__ == "DeepseekV3ForCausalLM"
@@ -52,12 +53,12 @@ def test_planner_counts_equal_the_built_models():
         assert counts["largest_tensor"] == max(p.numel() for p in model.parameters())
         assert counts["activated"] < counts["total"]
     # The published DeepSeek-V3: 671B parameters, 37B activated per token (the report's Table 1, without MTP).
-    v3 = plan.param_counts(plan.load_model_config("deepseek-v3-671b", "", 4096, None))
+    v3 = plan.param_counts(models.load_model_config("deepseek-v3-671b", "", 4096, None))
     assert v3["total"] / 1e9 == pytest.approx(671, abs=0.5) and v3["activated"] / 1e9 == pytest.approx(37.5, abs=0.5)
 
 
 def test_flops_count_activated_parameters_and_mla_widths():
-    c = plan.load_model_config("deepseek-v3-tiny", "", 32, {"vocab_size": 4096, "eos_id": 0})
+    c = models.load_model_config("deepseek-v3-tiny", "", 32, {"vocab_size": 4096, "eos_id": 0})
     counts = plan.param_counts(c)
     attention = (
         c.num_hidden_layers * 32 * c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)

@@ -13,16 +13,20 @@ import time
 
 import numpy as np
 import pytest
+from common import synthetic_web_documents
 from conftest import REPO, WIKITEXT2, run
 
-import lmdata
+import corpora
+import documents
 import prepare_data
+import token_data
+import tokenizer_pool
 
 PREPARE = [sys.executable, "prepare_data.py"]
 
 
 def jsonl_corpus(path, n_bytes, seed=0):
-    docs = list(lmdata.synthetic_web_documents(n_bytes, seed=seed))
+    docs = list(synthetic_web_documents(n_bytes, seed=seed))
     path.write_text("".join(json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in docs))
     return path
 
@@ -50,7 +54,7 @@ def test_sources_leave_out_prepare_datas_own_outputs(tmp_path, capsys):
     jsonl_corpus(corpus / "web.jsonl", 150_000)
     args = ["--dataset", corpus, "--tokenizer", "bpe:300", "--num_proc", "1", "--validation_fraction", "0.1"]
     assert prepare(args + ["--output_dir", corpus / "data"], capsys)[0] == 0
-    first = lmdata.read_meta(corpus / "data")
+    first = token_data.read_meta(corpus / "data")
     killed = corpus / ".old.partial"  # what a killed run leaves: its held-out text and its progress
     killed.mkdir()
     (killed / "validation.jsonl").write_bytes((corpus / "data" / "validation.jsonl").read_bytes())
@@ -63,7 +67,7 @@ def test_sources_leave_out_prepare_datas_own_outputs(tmp_path, capsys):
     glob_args = ["--dataset", f"{tmp_path}/**/*.jsonl"] + args[2:] + ["--output_dir", corpus / "again"]
     status, out, _ = prepare(glob_args, capsys)
     assert status == 0 and "left out" in out
-    assert lmdata.read_meta(corpus / "again")["splits"] == first["splits"]  # the same documents, once each
+    assert token_data.read_meta(corpus / "again")["splits"] == first["splits"]  # the same documents, once each
 
     status, _, err = prepare(["--dataset", corpus / "data"] + args[2:] + ["--output_dir", tmp_path / "x"], capsys)
     assert status == 2 and "an output (or work directory) of prepare_data.py, not a corpus" in err
@@ -182,7 +186,7 @@ ADVERSARIAL = "".join(
 
 @pytest.fixture(scope="module")
 def python_docs() -> list[str]:
-    return lmdata.python_docs_corpus()
+    return corpora.python_docs_corpus()
 
 
 @pytest.fixture(scope="module")
@@ -200,14 +204,14 @@ def test_long_documents_in_pieces_give_the_whole_documents_ids(cut_tokenizers, p
     text): the concatenated ids of the pieces are the whole text's."""
     from tokenizers import Tokenizer
 
-    assert prepare_data.cut_problem(cut_tokenizers[kind]) is None
+    assert tokenizer_pool.cut_problem(cut_tokenizers[kind]) is None
     tok = Tokenizer.from_file(str(cut_tokenizers[kind] / "tokenizer.json"))
     texts = {"python-docs": "\n\n".join(python_docs)[-400_000:], "adversarial": ADVERSARIAL * 10}
     if (WIKITEXT2 / "wiki.valid.raw").is_file():
         texts["wikitext-2"] = (WIKITEXT2 / "wiki.valid.raw").read_text(encoding="utf-8")[:400_000]
     for name, text in texts.items():
         size = 1 if name == "adversarial" else 200
-        pieces = list(prepare_data.document_pieces(text, size, prepare_data.PIECE_CUT))
+        pieces = list(tokenizer_pool.document_pieces(text, size, tokenizer_pool.PIECE_CUT))
         assert "".join(pieces) == text and len(pieces) > len(text) // 2000, name
         whole = tok.encode(text, add_special_tokens=False).ids
         cut = [t for e in tok.encode_batch(pieces, add_special_tokens=False) for t in e.ids]
@@ -218,16 +222,16 @@ def test_tokenizers_that_cannot_be_cut_are_tokenized_whole(cut_tokenizers, pytho
     from tokenizers import Tokenizer
 
     no_regex = cut_tokenizers["no_regex"]
-    assert "probe" in prepare_data.cut_problem(no_regex)  # and rightly: cutting changes its ids
+    assert "probe" in tokenizer_pool.cut_problem(no_regex)  # and rightly: cutting changes its ids
     tok = Tokenizer.from_file(str(no_regex / "tokenizer.json"))
     text = "\n\n".join(python_docs[:50])
-    pieces = list(prepare_data.document_pieces(text, 200, prepare_data.PIECE_CUT))
+    pieces = list(tokenizer_pool.document_pieces(text, 200, tokenizer_pool.PIECE_CUT))
     assert [t for e in tok.encode_batch(pieces) for t in e.ids] != tok.encode(text).ids
     metaspace = json.loads((cut_tokenizers["bpe"] / "tokenizer.json").read_text())
     metaspace["pre_tokenizer"] = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always", "split": True}
     (tmp_path / "tokenizer.json").write_text(json.dumps(metaspace))
-    assert "Metaspace" in prepare_data.cut_problem(tmp_path)
-    assert list(prepare_data.document_pieces(text, 200, None)) == [text]
+    assert "Metaspace" in tokenizer_pool.cut_problem(tmp_path)
+    assert list(tokenizer_pool.document_pieces(text, 200, None)) == [text]
 
 
 def test_one_long_document_tokenizes_in_bounded_memory_to_the_same_ids(docs_data, tmp_path, monkeypatch, capsys):
@@ -236,23 +240,23 @@ def test_one_long_document_tokenizes_in_bounded_memory_to_the_same_ids(docs_data
     LONG_DOCUMENT_BYTES, lowered here) it gives the same bytes."""
     from tokenizers import Tokenizer
 
-    text = "\n\n".join(lmdata.synthetic_web_documents(3_000_000, seed=4)) + "\n"
+    text = "\n\n".join(synthetic_web_documents(3_000_000, seed=4)) + "\n"
     (tmp_path / "one.txt").write_text(text)
     args = ["--dataset", tmp_path / "one.txt", "--tokenizer", docs_data / "tokenizer"]
     proc = run(PREPARE + args + ["--output_dir", tmp_path / "out", "--num_proc", "2"])
     worker_mib = float(proc.stdout.split(" MiB per tokenizer process")[0].rsplit("+ ", 1)[1].replace(",", ""))
     assert worker_mib < 300, proc.stdout  # ~450 MiB whole; ~120 MiB in pieces
 
-    monkeypatch.setattr(lmdata, "LONG_DOCUMENT_BYTES", 1 << 20)
+    monkeypatch.setattr(documents, "LONG_DOCUMENT_BYTES", 1 << 20)
     assert prepare(args + ["--output_dir", tmp_path / "streamed", "--num_proc", "1"], capsys)[0] == 0
     for name in ("train.bin", "validation.bin", "validation.jsonl"):
         assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "streamed" / name).read_bytes(), name
 
     tok = Tokenizer.from_file(str(docs_data / "tokenizer" / "tokenizer.json"))
-    meta = lmdata.read_meta(tmp_path / "out")
-    train, held = lmdata.split_by_position(text, prepare_data.Config.validation_fraction)
+    meta = token_data.read_meta(tmp_path / "out")
+    train, held = documents.split_by_position(text, prepare_data.Config.validation_fraction)
     for split, part in (("train", train), ("validation", held)):
-        ids = np.asarray(lmdata.load_split(tmp_path / "out", split, meta))
+        ids = np.asarray(token_data.load_split(tmp_path / "out", split, meta))
         assert ids.tolist() == tok.encode(part, add_special_tokens=False).ids + [meta["eos_id"]], split
     held_text = json.loads((tmp_path / "out" / "validation.jsonl").read_text())["text"]
     assert held_text == held
@@ -278,7 +282,7 @@ def test_offline_hub_tokenizer_is_identified_by_its_cached_commit(docs_data, tmp
     cmd += ["--num_proc", "1", "--validation_fraction", "0.2"]
     env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HOME": str(tmp_path / "home")}
     run(cmd, env=env)
-    identity = lmdata.read_meta(tmp_path / "out")["tokenizer_identity"]
+    identity = token_data.read_meta(tmp_path / "out")["tokenizer_identity"]
     assert identity == {"spec": "some-org/some-tokenizer", "revision": commit}
 
     shutil.rmtree(tmp_path / "hub")
@@ -305,7 +309,7 @@ def test_hub_reachability_goes_through_the_proxy():
     try:
         proxy = f"http://127.0.0.1:{server.server_port}"
         env = {"HF_ENDPOINT": "http://hub.invalid", "HTTP_PROXY": proxy, "NO_PROXY": "", "no_proxy": ""}
-        script = "import lmdata; print(lmdata.hub_unreachable_reason())"
+        script = "import corpora; print(corpora.hub_unreachable_reason())"
         proc = run([sys.executable, "-c", script], env={**env, "HF_HUB_OFFLINE": "0"})
         assert proc.stdout.strip() == "None" and seen == ["http://hub.invalid/"], (proc.stdout, seen)
         proc = run([sys.executable, "-c", script], env={**env, "HF_HUB_OFFLINE": "0", "HTTP_PROXY": ""})

@@ -231,13 +231,13 @@ def test_output_dir_that_is_a_file(docs_data, tmp_path):
 
 
 def test_metrics_reader_drops_a_torn_last_line(tmp_path):
-    import checkpoint
+    import metrics
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
-    records, bad = checkpoint.read_metrics(path)
+    records, bad = metrics.read_metrics(path)
     assert [r["step"] for r in records] == [1, 2] and bad == 1
-    assert checkpoint.truncate_metrics(path, 1) == 1
+    assert metrics.truncate_metrics(path, 1) == 1
     assert json.loads(path.read_text()) == {"step": 1, "loss": 2.0}
 
 
@@ -260,3 +260,105 @@ def test_damaged_data_tokenizer_is_refused_before_the_model_is_built(docs_data, 
     proc = train(*RUN, "--data_dir", data, "--output_dir", out, check=False)
     assert_refused(proc, 2, f"{data / 'tokenizer'} holds no readable tokenizer")
     assert not out.exists()
+
+
+def test_resume_auto_past_links_copies_and_names_that_are_not_its_own(done_run, tmp_path):
+    """What a user or a copy tool leaves in checkpoints/: a symlinked step_N (its target damaged), a dangling symlink,
+    a copy of step_2 under a newer name, a manifest that is not one, notes named like train.py's own leftovers. The
+    run resumes from step_2 (the only true checkpoint), skips the rest with reasons, and deletes nothing of theirs."""
+    out = copy_run(done_run, tmp_path, keep_step_4=True)
+    ckpts = out / "checkpoints"
+    shutil.rmtree(out / "final")
+    elsewhere = tmp_path / "elsewhere"
+    (ckpts / "step_4").rename(elsewhere)
+    (elsewhere / "optimizer.bin").write_bytes(b"\0" * 10)
+    (ckpts / "step_4").symlink_to(elsewhere)
+    (ckpts / "step_5").symlink_to(tmp_path / "nowhere")
+    shutil.copytree(ckpts / "step_2", ckpts / "step_9")
+    shutil.copytree(ckpts / "step_2", ckpts / "step_7")
+    state = json.loads((ckpts / "step_7" / "trainer_state.json").read_text())
+    (ckpts / "step_7" / "trainer_state.json").write_text(json.dumps({**state, "step": 7}))
+    (ckpts / "step_7" / "manifest.json").write_text('{"files": []}')
+    (ckpts / "abandoned-my-notes").mkdir()
+    (ckpts / ".tmp-step_notes.txt").write_text("mine\n")
+    proc = train("--output_dir", out, "--resume", "auto")
+    assert "step_9: trainer_state.json says step 2, not 9" in proc.stdout, proc.stdout
+    assert "step_7: manifest.json is unreadable" in proc.stdout
+    assert f"resumed from {ckpts / 'step_2'} at step 2" in proc.stdout
+    assert (ckpts / "abandoned-my-notes").is_dir() and (ckpts / ".tmp-step_notes.txt").read_text() == "mine\n"
+    assert (elsewhere / "optimizer.bin").stat().st_size == 10  # the link was replaced, never what it points to
+    assert (out / "final" / "model.safetensors").is_file()
+    proc = train("--output_dir", out, "--resume", "auto", check=False)  # and the next start is not blocked
+    assert proc.returncode == 2 and "beyond this run's 4 steps" in proc.stderr or proc.returncode == 0, proc.stderr
+
+
+def odd_output_dirs(done_run: Path, tmp_path: Path) -> dict:
+    def stopped():
+        return copy_run(done_run, tmp_path)
+
+    def all_damaged():
+        out = stopped()
+        (out / "checkpoints" / "step_2" / "optimizer.bin").write_bytes(b"")
+        return out, "no checkpoint in"
+
+    def checkpoints_a_file():
+        out = tmp_path / "o"
+        out.mkdir()
+        (out / "train_run.json").write_text('{"written_by": "train.py"}')
+        (out / "checkpoints").write_text("hi")
+        return out, "checkpoints is not a directory"
+
+    def marker_a_directory():
+        out = stopped()
+        (out / "train_run.json").unlink()
+        (out / "train_run.json").mkdir()
+        return out, "train_run.json is not a file"
+
+    def dangling_output_dir():
+        (tmp_path / "o").symlink_to(tmp_path / "nowhere")
+        return tmp_path / "o", "which does not exist"
+
+    def non_utf8_output_dir():
+        return Path(os.fsdecode(bytes(tmp_path) + b"/x\xffy")), "is not valid UTF-8"
+
+    def explicit_resume_state_without_tokens_seen():
+        out = copy_run(done_run, tmp_path, keep_step_4=True)
+        state = out / "checkpoints" / "step_2" / "trainer_state.json"
+        state.write_text(json.dumps({k: v for k, v in json.loads(state.read_text()).items() if k != "tokens_seen"}))
+        (out / "checkpoints" / "step_2" / "manifest.json").unlink()  # as a checkpoint from before manifests
+        return out, "has no valid tokens_seen"
+
+    return {f.__name__: f for f in (all_damaged, checkpoints_a_file, marker_a_directory, dangling_output_dir,
+                                     non_utf8_output_dir, explicit_resume_state_without_tokens_seen)}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["all_damaged", "checkpoints_a_file", "marker_a_directory", "dangling_output_dir", "non_utf8_output_dir",
+     "explicit_resume_state_without_tokens_seen"],
+)  # fmt: skip
+def test_odd_output_directories_are_refused_in_one_line(done_run, docs_data, tmp_path, case):
+    out, message = odd_output_dirs(done_run, tmp_path)[case]()
+    before = tree(tmp_path)
+    resume = out / "checkpoints" / "step_2" if case.startswith("explicit") else "auto"
+    proc = train(*RUN, "--data_dir", docs_data, "--output_dir", out, "--resume", resume, check=False)
+    assert_refused(proc, 2, message)
+    assert tree(tmp_path) == before
+
+
+def test_a_failed_metrics_write_names_the_file(done_run, tmp_path):
+    import metrics
+
+    """A full disk while appending to metrics.jsonl ends the run with the file named, exit 3, and the checkpoint it
+    resumed from intact. Simulated with a file size limit just above metrics.jsonl, padded (with records of step 1,
+    which the resume keeps) past every checkpoint file, so that the first write to fail is the next log line."""
+    out = copy_run(done_run, tmp_path)
+    with open(out / "metrics.jsonl", "a") as f:
+        for _ in range(1600):
+            f.write(json.dumps({"step": 1, "note": "x" * 1000}) + "\n")
+    metrics.truncate_metrics(out / "metrics.jsonl", 2)  # as the resume will: only the next log line grows it
+    before = tree(out / "checkpoints")
+    size = (out / "metrics.jsonl").stat().st_size
+    proc = train("--output_dir", out, "--resume", "auto", check=False, preexec_fn=limit_file_size(size + 100))
+    assert_refused(proc, 3, f"{out / 'metrics.jsonl'}: File too large")
+    assert not list(out.glob(".*.tmp")) and tree(out / "checkpoints") == before

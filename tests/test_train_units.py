@@ -7,6 +7,8 @@ import pytest
 
 import checkpoint
 import cli
+import metrics
+import models
 import plan
 import train
 from cli import UserError
@@ -17,24 +19,24 @@ def test_lr_warmup_then_cosine_to_floor():
     # runs over steps 2..9 (progress (step - 2) / 7) and its last step is the floor.
     expected = {0: 1 / 3, 1: 2 / 3, 2: 1.0, 3: 0.9554359905560886, 6: 0.44986557971965853, 9: 0.1}
     for step, lr in expected.items():
-        assert plan.lr_at(step, 1.0, 3, 10, 0.1) == pytest.approx(lr, rel=1e-12), step
-    lrs = [plan.lr_at(s, 1.0, 3, 10, 0.1) for s in range(10)]
+        assert train.Schedule(1.0, 3, 10, 0.1).lr(step) == pytest.approx(lr, rel=1e-12), step
+    lrs = [train.Schedule(1.0, 3, 10, 0.1).lr(s) for s in range(10)]
     assert lrs.count(1.0) == 1 and all(a > b for a, b in zip(lrs[2:], lrs[3:]))
-    assert plan.lr_at(25, 1.0, 3, 10, 0.1) == pytest.approx(0.1)  # past the schedule: the floor
-    assert plan.lr_at(0, 1.0, 0, 5, 0.0) == 1.0 and plan.lr_at(4, 1.0, 0, 5, 0.0) == 0.0  # no warmup
+    assert train.Schedule(1.0, 3, 10, 0.1).lr(25) == pytest.approx(0.1)  # past the schedule: the floor
+    assert train.Schedule(1.0, 0, 5, 0.0).lr(0) == 1.0 and train.Schedule(1.0, 0, 5, 0.0).lr(4) == 0.0  # no warmup
 
 
 def test_batch_plan_and_steps():
-    batch = plan.batch_plan(4, 8, 3, 2048)
-    assert batch["sequences_per_step"] == 96 and batch["tokens_per_step"] == 96 * 2048
+    batch = plan.BatchPlan(4, 8, 3, 2048)
+    assert batch.sequences_per_step == 96 and batch.tokens_per_step == 96 * 2048
     assert plan.total_steps_for(0, 1.0, 1000, 96) == math.ceil(1000 / 96)
     assert plan.total_steps_for(50, 1.0, 1000, 96) == 50
 
 
 def test_sample_layout_depends_only_on_global_batch():
-    three = plan.batch_plan(2, 1, 3, 32)
-    one = plan.batch_plan(6, 1, 1, 32)
-    accum = plan.batch_plan(2, 3, 1, 32)
+    three = plan.BatchPlan(2, 1, 3, 32)
+    one = plan.BatchPlan(6, 1, 1, 32)
+    accum = plan.BatchPlan(2, 3, 1, 32)
     for step in range(4):
         a = sorted(i for r in range(3) for i in train.sample_ids(step, 0, r, three))
         b = list(train.sample_ids(step, 0, 0, one))
@@ -50,14 +52,15 @@ def test_flops_and_mfu():
 
 
 def test_round_up_vocab():
-    assert plan.round_up(8192, 64) == 8192 and plan.round_up(50257, 64) == 50304
+    assert models.round_up(8192, 64) == 8192 and models.round_up(50257, 64) == 50304
 
 
 def _config(name):
     import json
+
     from transformers import AutoConfig
 
-    d = json.loads((plan.MODEL_CONFIG_DIR / f"{name}.json").read_text())
+    d = json.loads((models.MODEL_CONFIG_DIR / f"{name}.json").read_text())
     return AutoConfig.for_model(d.pop("model_type"), **d)
 
 
@@ -111,14 +114,14 @@ def test_plan_command_names_the_offload_config():
         "--accelerate_config",
     ]
     no = subprocess.run(
-        cmd + ["accelerate_configs/zero3_3gpu.yaml"], cwd=plan.MODEL_CONFIG_DIR.parent, capture_output=True, text=True
+        cmd + ["accelerate_configs/zero3_3gpu.yaml"], cwd=models.MODEL_CONFIG_DIR.parent, capture_output=True, text=True
     )
     assert no.returncode == 0 and "does NOT fit" in no.stdout and "zero3_offload_3gpu.yaml" in no.stdout, (
         no.stdout + no.stderr
     )
     yes = subprocess.run(
         cmd + ["accelerate_configs/zero3_offload_3gpu.yaml", "--gradient_checkpointing"],
-        cwd=plan.MODEL_CONFIG_DIR.parent,
+        cwd=models.MODEL_CONFIG_DIR.parent,
         capture_output=True,
         text=True,
     )
@@ -136,8 +139,9 @@ def test_gpu_peak_by_name_and_precision():
 def test_fp16_loss_scale_with_and_without_a_scaler():
     import torch
 
-    assert train.fp16_loss_scale(None, None) is None  # fp16 without DeepSpeed and without a scaler: nothing to log
-    assert train.fp16_loss_scale(None, torch.amp.GradScaler("cpu", init_scale=1024.0)) == 1024.0  # Accelerate's scaler
+    assert metrics.fp16_loss_scale(None, None) is None  # fp16 without DeepSpeed and without a scaler: nothing to log
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)  # Accelerate's scaler
+    assert metrics.fp16_loss_scale(None, scaler) == 1024.0
 
 
 SAVED = {
@@ -181,20 +185,14 @@ def test_resume_refuses_a_changed_training_setting(flag, value):
 
 def test_resume_keeps_the_schedule_unless_replanned():
     state = {"step": 300, "total_steps": 300, "config": SAVED}
-    cfg = train.Config(**{**SAVED, "max_steps": 600})
+    stretched = train.schedule_for(train.Config(**{**SAVED, "max_steps": 600}), 600)
     with pytest.raises(UserError, match="--lr_decay_steps 600"):
-        checkpoint.schedule_on_resume(cfg, {"max_steps"}, 600, state)  # --max_steps alone would re-stretch the cosine
-    line = checkpoint.schedule_on_resume(
-        train.Config(**{**SAVED, "max_steps": 600, "lr_decay_steps": 600}), {"max_steps", "lr_decay_steps"}, 600, state
-    )
-    assert "300 -> 600 steps" in line and f"{plan.lr_at(300, 2e-3, 30, 600, 0.1):.3g}" in line
+        train.replan_schedule(stretched, state, {"max_steps"})  # --max_steps alone would re-stretch the cosine
+    line = train.replan_schedule(stretched, state, {"max_steps", "lr_decay_steps"})
+    assert "300 -> 600 steps" in line and f"{train.Schedule(2e-3, 30, 600, 0.1).lr(300):.3g}" in line
     long = {"step": 50, "total_steps": 100, "config": {**SAVED, "lr_decay_steps": 1000}}
-    assert (
-        checkpoint.schedule_on_resume(
-            train.Config(**{**SAVED, "lr_decay_steps": 1000, "max_steps": 200}), {"max_steps"}, 200, long
-        )
-        is None
-    )
+    kept = train.schedule_for(train.Config(**{**SAVED, "lr_decay_steps": 1000, "max_steps": 200}), 200)
+    assert train.replan_schedule(kept, long, {"max_steps"}) is None
 
 
 def test_given_fields_sees_abbreviations_and_bools():

@@ -1,0 +1,154 @@
+"""A run's metrics: one record per log step (to metrics.jsonl, the tracker and one console line), the file read back
+(a torn last line is what a kill while appending leaves), cut back on resume, and drawn as the loss curve.
+
+    metrics_record   the record of a log step: loss, lr, grad norm, tokens/s, MFU, peak memory, fp16 scale, MoE balance
+    console_line     its one line on the console
+    append / read_metrics / truncate_metrics / plot_losses   metrics.jsonl written, read, cut back, drawn
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import plan
+from cli import write_atomic
+
+
+@dataclasses.dataclass
+class Interval:
+    """The steps since the last log line: how many, their summed loss, and their training time (pauses for
+    validation and checkpoints excluded)."""
+
+    steps: int = 0
+    loss_sum: float = 0.0
+    t0: float = dataclasses.field(default_factory=time.perf_counter)
+
+
+def fp16_loss_scale(engine, scaler) -> float | None:
+    """The current fp16 loss scale: DeepSpeed's dynamic scaler, or Accelerate's GradScaler without DeepSpeed."""
+    if engine is not None and hasattr(engine.optimizer, "loss_scale"):
+        return float(engine.optimizer.loss_scale)
+    if scaler is not None:
+        return float(scaler.get_scale())
+    return None
+
+
+def metrics_record(run, parts, step: int, interval: Interval, last: dict) -> dict:
+    """The metrics of a log step (run and parts: train.py's Run and Parts); `last` holds the step's lr and grad_norm.
+    Memory is the peak over all processes."""
+    accelerator = parts.accelerator
+    tokens_per_s = interval.steps * run.batch.tokens_per_step / (time.perf_counter() - interval.t0)
+    mem = float(
+        accelerator.gather(torch.tensor([plan.peak_memory_gib(accelerator.device)], device=accelerator.device)).max()
+    )
+    record = {
+        "step": step,
+        "tokens": step * run.batch.tokens_per_step,
+        "loss": interval.loss_sum / interval.steps,
+        **last,
+        "tokens_per_s": tokens_per_s,
+        "mfu": plan.mfu(tokens_per_s, run.flops_per_token, parts.peak_flops),
+        "peak_mem_gib": mem,
+        "epoch": step * run.batch.sequences_per_step / run.data.n_windows,
+        "samples_seen": step * run.batch.sequences_per_step,
+    }
+    if run.launch.precision == "fp16":
+        record["loss_scale"] = fp16_loss_scale(parts.engine, accelerator.scaler)
+        record["skipped_steps"] = parts.skipped_steps()
+    if parts.balancer:
+        record.update(parts.balancer.metrics(accelerator))
+    return record
+
+
+def console_line(r: dict, total_steps: int) -> str:
+    return (
+        f"step {r['step']}/{total_steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | grad {r['grad_norm']:.3f} | "
+        f"{r['tokens_per_s']:,.0f} tok/s | MFU {r['mfu']:.1%} | peak mem {r['peak_mem_gib']:.2f} GiB"
+        + (f" | scale {r['loss_scale']:.0f} skipped {r['skipped_steps']}" if "loss_scale" in r else "")
+        + (
+            f" | MaxVio {r['moe_maxvio_max']:.3f} worst, {r['moe_maxvio_mean']:.3f} mean"
+            if "moe_maxvio_max" in r
+            else ""
+        )
+        + (f" | aux {r['moe_aux_loss']:.2e}" if "moe_aux_loss" in r else "")
+    )
+
+
+def plot_losses(metrics_path: Path, png_path: Path) -> None:
+    """The loss curve; for a MoE model, a second panel with the expert-load imbalance (MaxVio) and the balance loss."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records, _ = read_metrics(metrics_path)
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    balance = [r for r in records if "moe_maxvio_max" in r]
+    fig, axes = plt.subplots(2 if balance else 1, 1, figsize=(7, 7 if balance else 4.2), sharex=True, squeeze=False)
+    ax = axes[0, 0]
+    if train:
+        ax.plot(*zip(*train), label="train loss", lw=1)
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation loss", ms=4)
+    ax.set(ylabel="cross-entropy (nats/token)", title=metrics_path.parent.name)
+    if balance:
+        steps = [r["step"] for r in balance]
+        bottom = axes[1, 0]
+        bottom.plot(steps, [r["moe_maxvio_max"] for r in balance], label="MaxVio, worst layer", lw=1)
+        bottom.plot(steps, [r["moe_maxvio_mean"] for r in balance], label="MaxVio, mean of layers", lw=1)
+        bottom.set(ylabel="max load / mean load - 1")
+        if any("moe_aux_loss" in r for r in balance):
+            aux = bottom.twinx()
+            aux.plot(steps, [r.get("moe_aux_loss", float("nan")) for r in balance], "k:", label="balance loss", lw=1)
+            aux.set(ylabel="balance loss")
+            aux.legend(loc="upper center")
+    for ax in axes[:, 0]:
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper right")
+    axes[-1, 0].set(xlabel="optimizer step")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+
+
+def append(metrics_path: Path, record: dict) -> None:
+    """One line onto metrics.jsonl; a failed write (a full disk) names the file, which Python's error does not."""
+    try:
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(metrics_path)) from None
+
+
+def scalar(value) -> bool:
+    return value is None or isinstance(value, (int, float, str))
+
+
+def read_metrics(metrics_path: Path) -> tuple[list[dict], int]:
+    """The records of metrics.jsonl and the number of lines that are not one: a kill or a full disk while appending
+    tears the last line, which is dropped; no line is ever fatal."""
+    records, bad = [], 0
+    for line in metrics_path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+            if isinstance(record, dict) and isinstance(record.get("step"), int) and all(map(scalar, record.values())):
+                records.append(record)
+            elif line.strip():
+                bad += 1
+        except ValueError:
+            bad += 1
+    return records, bad
+
+
+def truncate_metrics(metrics_path: Path, step: int) -> int:
+    """Lines logged after the checkpoint by the run that died would be logged again: drop them, and any torn line.
+    Returns the number of torn lines dropped."""
+    records, bad = read_metrics(metrics_path)
+    write_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in records if r["step"] <= step))
+    return bad

@@ -1,0 +1,227 @@
+"""Which model: the config presets and config.json files (checked before transformers fills gaps with another
+model's defaults), model directories (their weight files and tokenizer), and the vocabulary taken from the data.
+
+    load_model_config      a preset, config.json or model directory -> the transformers config train.py builds
+    read_config_json / check_model_fields / build_model_config   its three checks, also used on checkpoints
+    check_weight_files / load_tokenizer / check_init_from        a model directory's weights and tokenizer
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from cli import UserError
+
+MODEL_CONFIG_DIR = Path(__file__).resolve().parent / "model_configs"
+
+
+# The architectures train.py builds, by model_type. A config must state the fields that shape the model: the
+# defaults of transformers' config classes describe other models (LlamaConfig's are Llama-7B's, DeepseekV3Config's
+# the 671B's), so a field left out would quietly plan and train a model nobody asked for.
+CORE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "max_position_embeddings")  # fmt: skip
+ARCHITECTURES = {
+    "llama": {"template": "tiny", "class_prefix": "Llama", "fields": CORE_FIELDS},
+    "deepseek_v3": {
+        "template": "deepseek-v3-tiny",
+        "class_prefix": "DeepseekV3",
+        # Its default num_key_value_heads (128) and routing (8 groups, top-4 groups, scale 2.5) are the 671B's too.
+        "fields": CORE_FIELDS
+        + ("num_key_value_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+           "moe_intermediate_size", "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
+           "first_k_dense_replace", "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob"),
+    },
+}  # fmt: skip
+
+
+def resolve_model_config(name_or_path: str, flag: str = "--model_config") -> Path:
+    preset = MODEL_CONFIG_DIR / f"{name_or_path}.json"
+    path = Path(name_or_path).expanduser()
+    if flag == "--init_from":  # weights are loaded from that directory: a preset name is not one
+        if not (path / "config.json").is_file():
+            raise UserError(f"--init_from {name_or_path} is not a Hugging Face model directory (no config.json)")
+        return path / "config.json"
+    for candidate in (preset, path, path / "config.json"):
+        if candidate.is_file():
+            return candidate
+    presets = sorted(p.stem for p in MODEL_CONFIG_DIR.glob("*.json"))
+    raise UserError(
+        f"--model_config {name_or_path!r} is not a preset ({', '.join(presets)}), a config.json or a model directory"
+    )
+
+
+def read_config_json(path: Path, where: str) -> dict:
+    """The JSON object in a config file (a model config, a tokenizer's or a model directory's JSON); a file that is
+    not one (unreadable, not UTF-8, empty, torn, a list) is refused by name and position, which json's own error and
+    transformers' loaders do not give."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(
+            f"{where}: byte {e.start} is not UTF-8; a config file is UTF-8 JSON: restore or fix it"
+        ) from None
+    except OSError as e:
+        raise UserError(f"{where} cannot be read ({e.strerror}); check its permissions or restore it") from None
+    if not text.strip():
+        raise UserError(f"{where} is empty; restore it, or write it again")
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(
+            f"{where} is not valid JSON ({e.msg}: line {e.lineno} column {e.colno}); fix it there or restore it"
+        ) from None
+    if not isinstance(d, dict):
+        raise UserError(f"{where} holds a JSON {type(d).__name__} where a JSON object belongs; restore or fix it")
+    return d
+
+
+def _bad_value(key: str, value) -> str | None:
+    """What a core field's value must be, when it is not that; None when it is fine."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if key == "norm_topk_prob":
+        return None if isinstance(value, bool) else "true or false"
+    if key == "routed_scaling_factor":
+        return None if number and value > 0 else "a positive number"
+    if key == "q_lora_rank" and value is None:  # no query compression (V2-Lite, the small presets)
+        return None
+    least = 0 if key in ("n_shared_experts", "first_k_dense_replace") else 1
+    if isinstance(value, int) and not isinstance(value, bool) and value >= least:
+        return None
+    return f"an integer >= {least}" + (" or null" if key == "q_lora_rank" else "")
+
+
+def check_model_fields(d: dict, where: str) -> None:
+    """Refuse, naming the file, the field and the fix, a config dict that does not name a supported model_type, whose
+    architectures list disagrees with it, or that lacks a core field of that architecture or gives it a bad value."""
+    supported = " or ".join(f'"{t}"' for t in ARCHITECTURES)
+    model_type = d.get("model_type")
+    if model_type is None:
+        guess = "deepseek_v3" if "n_routed_experts" in d or "kv_lora_rank" in d else "llama"
+        raise UserError(
+            f'{where} has no model_type, so its fields would be read as a Llama\'s; add "model_type": "{guess}" '
+            f"(the supported ones are {supported})"
+        )
+    arch = ARCHITECTURES.get(model_type) if isinstance(model_type, str) else None
+    if arch is None:
+        raise UserError(
+            f"{where} has model_type {model_type!r}, which train.py does not build; the supported ones are "
+            f"{supported} (llama is the DeepSeek LLM architecture): start from a preset in {MODEL_CONFIG_DIR}"
+        )
+    foreign = [a for a in d.get("architectures") or [] if not str(a).startswith(arch["class_prefix"])]
+    if foreign:
+        raise UserError(
+            f"{where} has model_type {model_type!r} but architectures {foreign}: one of them is wrong; make them agree"
+        )
+    missing = [k for k in arch["fields"] if k not in d]
+    if missing:
+        raise UserError(
+            f"{where} lacks {', '.join(missing)}, which a {model_type} model needs (transformers' defaults describe "
+            f"another model); add them, e.g. from {MODEL_CONFIG_DIR / (arch['template'] + '.json')}"
+        )
+    for key in arch["fields"]:
+        must = _bad_value(key, d[key])
+        if must:
+            raise UserError(f"{where} has {key}={json.dumps(d[key])}; it must be {must}")
+
+
+def build_model_config(d: dict, where: str):
+    """The transformers config of a checked config dict. Keys its class does not define are refused: transformers
+    would keep them as inert attributes, so MoE fields under model_type llama, say, would train a dense model."""
+    from transformers import AutoConfig
+
+    d = dict(d)
+    model_type = d.pop("model_type")
+    try:
+        config = AutoConfig.for_model(model_type, **d)
+    except (ValueError, TypeError, KeyError) as e:
+        raise UserError(f"{where} is refused by transformers: {str(e).splitlines()[0]}; fix that field") from None
+    known = set(type(config)().to_dict())
+    # A leading _ marks transformers' own bookkeeping (_name_or_path, _attn_implementation_autoset), not a setting.
+    ignored = sorted(k for k in config.to_dict() if k not in known and not k.startswith("_"))
+    if ignored:
+        others = [
+            t for t in ARCHITECTURES if t != model_type and set(ignored) <= set(AutoConfig.for_model(t).to_dict())
+        ]
+        them = "them" if len(ignored) > 1 else "it"
+        fix = f'set "model_type": "{others[0]}" or remove {them}' if others else f"remove {them} or fix the spelling"
+        raise UserError(
+            f"{where} has {', '.join(ignored)}, which a {model_type} model does not use (transformers would ignore "
+            f"{them}): {fix}"
+        )
+    return config
+
+
+def check_weight_files(directory: Path, where: str) -> None:
+    """Refuse a model directory whose .safetensors files are truncated or not safetensors, naming the file, before
+    transformers or ZeRO-3's loading raises a traceback on it."""
+    from safetensors import SafetensorError, safe_open
+
+    for weights in sorted(Path(directory).glob("*.safetensors")):
+        try:  # reads the header only, and checks that the tensors it lists fill the file exactly
+            with safe_open(weights, framework="pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise UserError(f"{where}: {weights.name} is damaged ({e}); copy or export the model directory again")
+
+
+def load_model_config(model_config: str, init_from: str, seq_len: int, meta: dict | None):
+    """The model's transformers config, with the vocabulary taken from the data's tokenizer (padded to 64)."""
+    flag = "--init_from" if init_from else "--model_config"
+    path = resolve_model_config(init_from or model_config, flag)
+    where = f"{flag} {path}"
+    d = read_config_json(path, where)
+    check_model_fields(d, where)
+    config = build_model_config(d, where)
+    if init_from:
+        if meta is not None and config.vocab_size < meta["vocab_size"]:
+            raise UserError(
+                f"--init_from {init_from} has vocab_size {config.vocab_size} < the data's "
+                f"{meta['vocab_size']}; prepare the data with that model's tokenizer"
+            )
+    elif meta is not None:  # without data (planning) the preset keeps its own vocabulary
+        config.vocab_size = round_up(meta["vocab_size"], 64)
+        config.bos_token_id = config.eos_token_id = meta["eos_id"]
+        config.pad_token_id = None
+    if seq_len > config.max_position_embeddings:
+        raise UserError(
+            f"--seq_len {seq_len} exceeds the model's context max_position_embeddings="
+            f"{config.max_position_embeddings}; lower --seq_len or use a config with a longer context"
+        )
+    return config
+
+
+def round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def load_tokenizer(directory: Path, fix: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(directory)
+    except Exception as e:  # noqa: BLE001 - a missing, torn or foreign tokenizer file: many exception types
+        raise UserError(f"{directory} holds no readable tokenizer ({type(e).__name__}); {fix}") from None
+
+
+def check_init_from(model_dir: str, ours, data_eos_id: int) -> None:
+    """--init_from must be a model directory with whole weight files, trained on the ids the data holds: the same
+    vocabulary (token -> id), the same encoding of a probe text and the same EOS id. A vocabulary size alone says
+    nothing (two 512-token BPEs agree)."""
+    if not (Path(model_dir) / "config.json").is_file():
+        raise UserError(f"--init_from {model_dir} is not a Hugging Face model directory (no config.json)")
+    check_weight_files(Path(model_dir), f"--init_from {model_dir}")
+    theirs = load_tokenizer(
+        Path(model_dir), "nothing shows --init_from was trained on the data's ids: copy its tokenizer into it"
+    )
+    probe = "The tokenizer probe: naïve café, 1234 + x**2\n\n\tdef f(): return 'ok'"
+    if theirs.get_vocab() != ours.get_vocab() or theirs.encode(probe) != ours.encode(probe):
+        raise UserError(
+            f"--init_from {model_dir} was trained with another tokenizer than the data's (vocabularies "
+            f"or encodings differ); prepare the data with prepare_data.py --tokenizer {model_dir}"
+        )
+    if theirs.eos_token_id != data_eos_id:
+        raise UserError(
+            f"--init_from {model_dir} has EOS id {theirs.eos_token_id}, the data {data_eos_id}; prepare the data "
+            f"with prepare_data.py --tokenizer {model_dir}"
+        )
