@@ -85,9 +85,8 @@ class Config:
     gpu_memory_gib: float = field(24.0, "with --plan: memory per GPU to plan for (RTX 4090: 24); a real run reads "
                                         "the device")
     ignore_memory_plan: bool = field(False, "start even when the plan says the model does not fit the GPUs")
-    eval_at_start: bool = field(True, "validation loss of the initial weights at step 0 (--no_eval_at_start skips it: "
-                                      "on CPU processes under ZeRO-3 no-grad forwards before the first step slow the "
-                                      "whole run, see BENCHMARKS.md)")
+    eval_at_start: bool = field(True, "validation loss of the initial weights at step 0 (--no_eval_at_start skips "
+                                      "it)")
     log_with: str = field("", "extra tracker for accelerate, e.g. tensorboard")
     gradient_checkpointing: bool = field(False, "recompute activations in backward (less memory, ~30%% more compute)")
     attn_implementation: str = field("sdpa", "attention kernel: sdpa or eager")
