@@ -25,6 +25,7 @@ def validation_loss(model, accelerator, tokens: np.ndarray, seq_len: int, micro_
     Every process runs the same number of forward passes (ZeRO-3 gathers parameters collectively); a process with
     fewer windows pads with a repeat whose tokens carry no weight.
     """
+    trained_trace = zero3_coordinator(model) is not None and zero3_coordinator(model).is_complete_trace()
     model.eval()
     n = token_data.num_windows(len(tokens), seq_len)
     mine = list(range(accelerator.process_index, n, accelerator.num_processes))
@@ -41,8 +42,15 @@ def validation_loss(model, accelerator, tokens: np.ndarray, seq_len: int, micro_
         total += torch.stack(nll_sum(logits, targets.to(accelerator.device)))
     total = accelerator.reduce(total, "sum")
     model.train()
-    forget_zero3_eval_trace(model)
+    if not trained_trace:  # a trace recorded by training already covers these forwards; one recorded here does not
+        forget_zero3_eval_trace(model)
     return float(total[0] / total[1])
+
+
+def zero3_coordinator(engine):
+    """DeepSpeed ZeRO-3's parameter coordinator of a prepared model; None without ZeRO-3."""
+    offload = getattr(getattr(engine, "optimizer", None), "parameter_offload", None)
+    return offload.get_param_coordinator() if offload is not None else None
 
 
 def forget_zero3_eval_trace(engine) -> None:
@@ -57,14 +65,14 @@ def forget_zero3_eval_trace(engine) -> None:
     answers stay: every step then releases each parameter after its forward and gathers it again, one by one, in
     backward (30 extra all-gathers per step for the mini preset, counted; 17% of the default run's speed on 3 CPU
     processes). Hence: after validation, invalidate the trace (the next training step records it again, forward and
-    backward) and clear that cache. The upstream fix is to clear the cache whenever the trace changes. A no-op
-    without ZeRO-3."""
+    backward) and clear that cache. Validation after training steps needs neither: the trace training recorded
+    covers its forwards, and their cached answers are training's. The upstream fix is to clear the cache whenever
+    the trace changes. A no-op without ZeRO-3."""
     import inspect
 
-    offload = getattr(getattr(engine, "optimizer", None), "parameter_offload", None)
-    if offload is None:
+    coordinator = zero3_coordinator(engine)
+    if coordinator is None:
         return
-    coordinator = offload.get_param_coordinator()
     if not coordinator.is_invalid_trace():
         coordinator._invalidate_trace()
     decide = type(coordinator)._PartitionedParameterCoordinator__params_to_release

@@ -17,6 +17,8 @@ from common import REPO, RESULTS, record
 
 # Relative to the repository (the benchmarks run from its root), so that no row names this machine's paths.
 WIKITEXT2 = os.path.relpath(os.environ.get("WIKITEXT2_DIR", REPO.parent / "shared" / "data" / "wikitext-2"), REPO)
+# A checkout of accelerate at the installed version, for its DeepSpeed example (see bench/vs_accelerate_example.py).
+ACCELERATE_REPO = os.environ.get("ACCELERATE_REPO", "")
 BENCHMARKS = [  # (result name, command)
     ("prepare_vs_tokenizer", ["bench/prepare_vs_tokenizer.py"]),
     (
@@ -25,6 +27,7 @@ BENCHMARKS = [  # (result name, command)
     ),
     ("prepare_scale", ["bench/prepare_scale.py"]),
     ("train_throughput", ["bench/train_throughput.py"]),
+    ("vs_accelerate_example", ["bench/vs_accelerate_example.py", "--accelerate_repo", ACCELERATE_REPO]),
     ("zero3_vs_ddp", ["bench/zero3_vs_ddp.py"]),
     ("zero3_knobs", ["bench/zero3_knobs.py"]),
     ("eval_throughput", ["bench/eval_throughput.py"]),
@@ -47,6 +50,9 @@ def main():
         (RESULTS / f"{name}.json").unlink(missing_ok=True)
         if name in NEEDS_WIKITEXT and not (REPO / WIKITEXT2 / "wiki.test.raw").is_file():
             record(name, {"not_measured": f"no local WikiText-2 at {WIKITEXT2} (set WIKITEXT2_DIR)"})
+            continue
+        if name == "vs_accelerate_example" and not ACCELERATE_REPO:
+            record(name, {"not_measured": "no accelerate checkout (set ACCELERATE_REPO, see the bench's docstring)"})
             continue
         print(f"== {name}: python {' '.join(cmd)}", flush=True)
         proc = subprocess.run([sys.executable, *cmd], cwd=REPO)

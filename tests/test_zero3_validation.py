@@ -60,5 +60,6 @@ def releases_per_step(tmp_path, docs_data, mode: str) -> list[int]:
 def test_validation_leaves_later_steps_releasing_as_often_as_without(docs_data, tmp_path):
     plain = releases_per_step(tmp_path, docs_data, "plain")
     validated = releases_per_step(tmp_path, docs_data, "validate")
-    # Steps 0, 1 and 4, 5 record the trace again after a validation (no prefetch yet); from then on, the same.
-    assert validated[2:4] == plain[2:4] and validated[6:] == plain[6:], (plain, validated)
+    # Steps 0 and 1 record the trace again after the step-0 validation (no prefetch yet); from then on, the same:
+    # the mid-run validation leaves the trace training recorded.
+    assert validated[2:] == plain[2:], (plain, validated)
