@@ -318,13 +318,14 @@ def find_resume_checkpoint(resume: str, ckpt_root: Path, accelerator) -> Path | 
     return chosen
 
 
-def set_aside_newer(ckpt_root: Path, resume_from: Path) -> str | None:
+def set_aside_newer(ckpt_root: Path, resume_from: Path, step: int) -> str | None:
     """An explicit --resume from an older checkpoint starts a new branch: the checkpoints after it move to
     checkpoints/abandoned-<time>/ (kept until the run finishes, out of pruning's and --resume auto's way) and `latest`
-    names resume_from. Called only once resume_from has loaded. Returns a line saying what moved where."""
+    names resume_from (at `step`, from its trainer_state.json: a user's copy may have any name). Called only once
+    resume_from has loaded. Returns a line saying what moved where."""
     if not ckpt_root.is_dir() or resume_from.parent.resolve() != ckpt_root.resolve():
         return None
-    newer = [p for p in step_dirs(ckpt_root) if step_of(p) > step_of(resume_from)]
+    newer = [p for p in step_dirs(ckpt_root) if step_of(p) > step]
     if not newer:
         return None
     aside = ckpt_root / time.strftime("abandoned-%Y%m%d-%H%M%S")
@@ -466,7 +467,7 @@ def load_checkpoint(run, parts) -> None:
             f"older checkpoint with --resume {path.parent}/step_N"
         ) from None
     if run.cfg.resume != "auto" and parts.finaliser:
-        moved = set_aside_newer(path.parent, path)
+        moved = set_aside_newer(path.parent, path, run.resume.state["step"])
         if moved is not None:
             print(moved)
     parts.accelerator.print(

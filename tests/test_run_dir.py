@@ -362,3 +362,14 @@ def test_a_failed_metrics_write_names_the_file(done_run, tmp_path):
     proc = train("--output_dir", out, "--resume", "auto", check=False, preexec_fn=limit_file_size(size + 100))
     assert_refused(proc, 3, f"{out / 'metrics.jsonl'}: File too large")
     assert not list(out.glob(".*.tmp")) and tree(out / "checkpoints") == before
+
+
+def test_explicit_resume_from_a_copy_under_another_name(done_run, tmp_path):
+    """A user's copy (checkpoints/step_2.bak) resumed by hand: its trainer_state.json says which step it is, and the
+    checkpoints after that step move aside as for any explicit resume."""
+    out = copy_run(done_run, tmp_path, keep_step_4=True)
+    ckpts = out / "checkpoints"
+    shutil.copytree(ckpts / "step_2", ckpts / "step_2.bak")
+    proc = train("--output_dir", out, "--resume", ckpts / "step_2.bak")
+    assert "moved the checkpoints after step_2.bak (step_4)" in proc.stdout, proc.stdout
+    assert f"resumed from {ckpts / 'step_2.bak'} at step 2" in proc.stdout
