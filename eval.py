@@ -24,7 +24,6 @@ import itertools
 import logging
 import math
 import re
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -366,16 +365,14 @@ def main(argv: list[str] | None = None) -> int:
     (cfg,) = HfArgumentParser(Config, description=__doc__.split("\n\n")[0]).parse_args_into_dataclasses(argv)
     cli.quiet_console()
     if not cfg.model:
-        print(
-            "error: --model is required: a model directory such as the OUT/final that train.py writes", file=sys.stderr
-        )
+        cli.print_error("--model is required: a model directory such as the OUT/final that train.py writes")
         return 2
     try:
         if cfg.output_json:
             check_output_path(cfg.output_json)
         report = evaluate(cfg)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except UserError as e:  # the same on every process: printed once (cli.print_error)
+        cli.print_error(str(e))
         return 2
     if not PartialState().is_main_process:
         return 0

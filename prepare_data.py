@@ -507,10 +507,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         prepare(cfg, argv)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        cli.print_error(str(e))
         return 2
     except WorkerDied as e:
-        print(f"error: {e}", file=sys.stderr)
+        cli.print_error(str(e))
         return 3
     except KeyboardInterrupt:
         return 130
