@@ -19,6 +19,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import sys
@@ -47,8 +48,8 @@ def given_fields(config_class, argv: list[str]) -> set[str]:
     return set(vars(parser.parse_known_args(argv)[0]))
 
 
-# The crash tests' switch, TRAIN_TEST_FAULT=kind:rank:step, and every point it can hit. Real signals and real NaNs;
-# inert unless the variable names this exact point.
+# The crash tests' switch, TRAIN_TEST_FAULT=kind:rank:step (or kind:rank:first-last, every step of the range), and
+# every point it can hit. Real signals and real NaNs; inert unless the variable names this exact point.
 FAULTS = {
     "nan_loss": "train.py: the loss of step `step` on rank `rank` becomes NaN (the caller multiplies it)",
     "sigterm_launcher": "train.py: after step `step`, rank `rank` sends SIGTERM to its launcher (a preemption)",
@@ -60,7 +61,10 @@ FAULTS = {
 def fault(kind: str, rank: int, step: int) -> bool:
     """Whether TRAIN_TEST_FAULT names this point; the signal faults are sent here."""
     assert kind in FAULTS, kind
-    if os.environ.get("TRAIN_TEST_FAULT", "") != f"{kind}:{rank}:{step}":
+    named = re.fullmatch(r"(\w+):(\d+):(\d+)(?:-(\d+))?", os.environ.get("TRAIN_TEST_FAULT", ""))
+    if not named or named[1] != kind or int(named[2]) != rank:
+        return False
+    if not int(named[3]) <= step <= int(named[4] or named[3]):
         return False
     if kind == "sigterm_launcher":
         os.kill(os.getppid(), signal.SIGTERM)

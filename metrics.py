@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from pathlib import Path
 
@@ -21,11 +22,13 @@ from cli import write_atomic
 
 @dataclasses.dataclass
 class Interval:
-    """The steps since the last log line: how many, their summed loss, and their training time (pauses for
-    validation and checkpoints excluded)."""
+    """The steps since the last log line: how many, the summed loss of those not skipped (a tensor on this process's
+    device until the log step reduces it) and how many those were, and their training time (pauses for validation
+    and checkpoints excluded)."""
 
     steps: int = 0
-    loss_sum: float = 0.0
+    loss_sum: torch.Tensor | float = 0.0
+    counted: int = 0
     t0: float = dataclasses.field(default_factory=time.perf_counter)
 
 
@@ -40,8 +43,9 @@ def fp16_loss_scale(engine, scaler) -> float | None:
 
 def metrics_record(run, parts, step: int, interval: Interval, last: dict) -> dict:
     """The metrics of a log step (run and parts: train.py's Run and Parts); `last` holds the step's lr and grad_norm.
-    Memory is the peak over all processes."""
+    Loss and memory are over all processes."""
     accelerator = parts.accelerator
+    loss_sum = accelerator.reduce(torch.as_tensor(interval.loss_sum, device=accelerator.device).float(), "sum")
     tokens_per_s = interval.steps * run.batch.tokens_per_step / (time.perf_counter() - interval.t0)
     mem = float(
         accelerator.gather(torch.tensor([plan.peak_memory_gib(accelerator.device)], device=accelerator.device)).max()
@@ -49,7 +53,7 @@ def metrics_record(run, parts, step: int, interval: Interval, last: dict) -> dic
     record = {
         "step": step,
         "tokens": step * run.batch.tokens_per_step,
-        "loss": interval.loss_sum / interval.steps,
+        "loss": float(loss_sum) / (interval.counted * accelerator.num_processes) if interval.counted else float("nan"),
         **last,
         "tokens_per_s": tokens_per_s,
         "mfu": plan.mfu(tokens_per_s, run.flops_per_token, parts.peak_flops),
@@ -57,9 +61,9 @@ def metrics_record(run, parts, step: int, interval: Interval, last: dict) -> dic
         "epoch": step * run.batch.sequences_per_step / run.data.n_windows,
         "samples_seen": step * run.batch.sequences_per_step,
     }
+    record["skipped_steps"] = parts.skips.total
     if run.launch.precision == "fp16":
         record["loss_scale"] = fp16_loss_scale(parts.engine, accelerator.scaler)
-        record["skipped_steps"] = parts.skipped_steps()
     if parts.balancer:
         record.update(parts.balancer.metrics(accelerator))
     return record
@@ -69,7 +73,8 @@ def console_line(r: dict, total_steps: int) -> str:
     return (
         f"step {r['step']}/{total_steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | grad {r['grad_norm']:.3f} | "
         f"{r['tokens_per_s']:,.0f} tok/s | MFU {r['mfu']:.1%} | peak mem {r['peak_mem_gib']:.2f} GiB"
-        + (f" | scale {r['loss_scale']:.0f} skipped {r['skipped_steps']}" if "loss_scale" in r else "")
+        + (f" | scale {r['loss_scale']:.0f}" if "loss_scale" in r else "")
+        + (f" | skipped {r['skipped_steps']}" if r.get("skipped_steps") or "loss_scale" in r else "")
         + (
             f" | MaxVio {r['moe_maxvio_max']:.3f} worst, {r['moe_maxvio_mean']:.3f} mean"
             if "moe_maxvio_max" in r
@@ -87,7 +92,7 @@ def plot_losses(metrics_path: Path, png_path: Path) -> None:
     import matplotlib.pyplot as plt
 
     records, _ = read_metrics(metrics_path)
-    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     balance = [r for r in records if "moe_maxvio_max" in r]
     fig, axes = plt.subplots(2 if balance else 1, 1, figsize=(7, 7 if balance else 4.2), sharex=True, squeeze=False)
@@ -118,10 +123,12 @@ def plot_losses(metrics_path: Path, png_path: Path) -> None:
 
 
 def append(metrics_path: Path, record: dict) -> None:
-    """One line onto metrics.jsonl; a failed write (a full disk) names the file, which Python's error does not."""
+    """One line onto metrics.jsonl, strict JSON (a skipped step's loss and gradient norm, not finite, are null); a
+    failed write (a full disk) names the file, which Python's error does not."""
+    finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
     try:
         with open(metrics_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(finite, allow_nan=False) + "\n")
     except OSError as e:
         raise OSError(e.errno, e.strerror, str(metrics_path)) from None
 

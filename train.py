@@ -38,9 +38,11 @@ import metrics
 import models
 import moe
 import plan
+import resilience
 import token_data
 from cli import UserError, field
 from lmloss import validation_loss
+from resilience import Diverged
 
 # DeepSpeed calls collectives that torch renamed; the warning repeats every step and says nothing to a user.
 warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
@@ -69,6 +71,8 @@ class Config:
     adam_beta2: float = field(0.95, "AdamW beta2")
     adam_eps: float = field(1e-8, "AdamW epsilon")
     max_grad_norm: float = field(1.0, "clip the global gradient norm to this (0: no clipping)")
+    max_skipped_steps: int = field(3, "steps in a row skipped for a non-finite loss or gradient norm before the run "
+                                      "stops (bf16/fp32; fp16 stops at its minimum loss scale)")
     seed: int = field(0, "seeds the weights and the data order")
     log_every: int = field(10, "optimizer steps between metric lines")
     eval_every: int = field(100, "optimizer steps between validation runs (0: only at start and end)")
@@ -96,10 +100,6 @@ class Config:
     moe_aux_loss_alpha: float = field(0.0001, "MoE models: weight of the sequence-wise balance loss (DeepSeek-V3's "
                                               "alpha; 0: off)")
 # fmt: on
-
-
-class Diverged(Exception):
-    """Training cannot go on (exit 3); the message says why and how to continue from the last checkpoint."""
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -177,10 +177,6 @@ def backward(accelerator, loss: torch.Tensor, step: int) -> None:
         ) from None
 
 
-def any_process(accelerator, flag: bool) -> bool:
-    return bool(accelerator.reduce(torch.tensor([float(flag)], device=accelerator.device), "sum") > 0)
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Setup, phase 1: check. Flags, output directory, the settings of the checkpoint to resume, data, model config,
 # launch, batch plan and schedule; a mistake raises UserError before anything is written.
@@ -215,12 +211,13 @@ class Run:
             "precision": self.launch.precision,
         }
 
-    def state_at(self, step: int) -> dict:
+    def state_at(self, step: int, skipped_steps: int = 0) -> dict:
         """trainer_state.json of the checkpoint at `step`."""
         data_dir = str(Path(self.cfg.data_dir).resolve())
         return {
             **self.identity(),
             "step": step,
+            "skipped_steps": skipped_steps,
             "tokens_seen": step * self.batch.tokens_per_step,
             "samples_seen": step * self.batch.sequences_per_step,
             "epoch": step * self.batch.sequences_per_step / self.data.n_windows,
@@ -341,15 +338,12 @@ class Parts:
     balancer: moe.LoadBalancer | None  # None for a dense model
     peak_flops: float  # what MFU is measured against
     finaliser: bool  # this process finalises checkpoints on its filesystem
-    skipped_at_start: int = 0
+    skips: resilience.Skips | None = None
 
     @property
     def engine(self):
-        """The DeepSpeed engine (it counts fp16-skipped steps), or None without DeepSpeed."""
+        """The DeepSpeed engine (it counts skipped steps), or None without DeepSpeed."""
         return self.model if self.accelerator.state.deepspeed_plugin is not None else None
-
-    def skipped_steps(self) -> int:
-        return (self.engine.skipped_steps if self.engine else 0) - self.skipped_at_start
 
 
 def build_model(run: Run, accelerator):
@@ -424,7 +418,9 @@ def setup(cfg: Config, given: set[str]) -> tuple[Run, Parts]:
     parts = Parts(accelerator, model, optimizer, balancer, peak_flops, finaliser)
     if run.resume is not None:
         checkpoint.load_checkpoint(run, parts)
-    parts.skipped_at_start = parts.engine.skipped_steps if parts.engine else 0
+    skipped = parts.engine.skipped_steps if parts.engine else 0  # a checkpoint from before trainer_state counted them
+    skipped = run.resume.state.get("skipped_steps", skipped) if run.resume is not None else 0
+    parts.skips = resilience.Skips(parts, skipped, cfg.max_skipped_steps, launch.precision)
     checkpoint.start_outputs(run, accelerator, mem_before_model_gib)
     return run, parts
 
@@ -436,13 +432,8 @@ def setup(cfg: Config, given: set[str]) -> tuple[Run, Parts]:
 
 def train(cfg: Config, given: set[str]) -> int:
     run, parts = setup(cfg, given)
-    cfg, accelerator, model, optimizer, balancer = (
-        run.cfg,
-        parts.accelerator,
-        parts.model,
-        parts.optimizer,
-        parts.balancer,
-    )
+    cfg, accelerator, model, optimizer = run.cfg, parts.accelerator, parts.model, parts.optimizer
+    balancer = parts.balancer
     out, rank, accum = Path(cfg.output_dir), accelerator.process_index, run.launch.grad_accum_steps
     ckpt_root = out / "checkpoints"
 
@@ -469,11 +460,12 @@ def train(cfg: Config, given: set[str]) -> int:
     )
     if step == 0 and cfg.eval_at_start:
         validate_at(0)
-    interval = metrics.Interval()
+    interval, vote, skips = metrics.Interval(), resilience.StopVote(accelerator), parts.skips
     while step < run.total_steps:
         # One optimizer step over `accum` micro-batches. A MoE model's balance loss is added to what is
-        # backpropagated (not to the loss logged), and its routers' biases move once the step is taken.
-        lr = run.schedule.lr(step)
+        # backpropagated (not to the loss logged), and its routers' biases move once the step is taken. A skipped
+        # step (non-finite loss or gradient norm) leaves weights, optimizer state and the LR schedule where they were.
+        lr = run.schedule.lr(step - skips.total)
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss_sum, grad_norm = torch.zeros((), device=accelerator.device), None
@@ -486,29 +478,28 @@ def train(cfg: Config, given: set[str]) -> int:
                     loss = loss * float("nan")
                 aux_loss = balancer.aux_loss() if balancer else None
                 backward(accelerator, loss if aux_loss is None else loss + aux_loss, step + 1)
+                skip = False
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
-                optimizer.step()
+                    skip = parts.engine is None and run.launch.precision != "fp16" and not torch.isfinite(grad_norm)
+                if not skip:  # (DeepSpeed and Accelerate's fp16 scaler skip a non-finite step themselves)
+                    optimizer.step()
                 optimizer.zero_grad()
             loss_sum += loss.detach()
         if balancer:
             balancer.update(accelerator)
         cli.fault("sigterm_launcher", rank, step + 1)
-        # One collective carries the loss and whether any process was asked to stop.
-        stop = torch.tensor(float(bool(stop_signal)), device=loss_sum.device)
-        reduced = accelerator.reduce(torch.stack([loss_sum / accum, stop]))
-        step_loss, stop_requested = float(reduced[0]) / accelerator.num_processes, bool(reduced[1] > 0)
-        grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
-        if run.launch.precision != "fp16" and not (math.isfinite(step_loss) and math.isfinite(grad_norm)):
-            raise Diverged(  # fp16 overflow is DeepSpeed's to skip; in fp32/bf16 a non-finite step is fatal
-                f"step {step + 1}: loss {step_loss} / grad norm {grad_norm} is not finite; stopping without saving. "
-                f"The last checkpoint is intact: lower --lr, raise --warmup_steps or check the data, then --resume auto"
-            )
         step += 1
-        interval.steps, interval.loss_sum = interval.steps + 1, interval.loss_sum + step_loss
+        stop_requested = vote.after_step(bool(stop_signal))  # the previous step's vote: every process stops together
+        if not skips.after_step(
+            step, skip
+        ):  # the loss logged is the mean over the steps taken (reduced over processes at the log step)
+            interval.loss_sum, interval.counted = interval.loss_sum + loss_sum / accum, interval.counted + 1
+        interval.steps += 1
         bar.update(1)
 
         if step % cfg.log_every == 0 or step == run.total_steps or stop_requested:
+            grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
             record = metrics.metrics_record(run, parts, step, interval, {"lr": lr, "grad_norm": grad_norm})
             bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{lr:.2e}")
             log(record, metrics.console_line(record, run.total_steps))
@@ -519,13 +510,13 @@ def train(cfg: Config, given: set[str]) -> int:
         if (cfg.save_every and step % cfg.save_every == 0) or step == run.total_steps or stop_requested:
             saved = checkpoint.save_checkpoint(
                 accelerator,
-                checkpoint.Save(ckpt_root, step, run.state_at(step), run.model_config, cfg.keep_last),
+                checkpoint.Save(ckpt_root, step, run.state_at(step, skips.total), run.model_config, cfg.keep_last),
                 run.resume.path if run.resume else None,
                 parts.finaliser,
             )
             accelerator.print(f"saved {saved}")
             # A signal that came while the checkpoint was written stops the run now, not one step and checkpoint later.
-            stop_requested = stop_requested or any_process(accelerator, bool(stop_signal))
+            stop_requested = vote.now(stop_requested or bool(stop_signal))
         interval.t0 += time.perf_counter() - pause_t0  # throughput counts training time only
         if stop_requested and step < run.total_steps:
             bar.close()
@@ -535,6 +526,7 @@ def train(cfg: Config, given: set[str]) -> int:
             )
             accelerator.end_training()
             return 0
+    vote.settle()
     bar.close()
     finish(run, parts)
     return 0

@@ -1,7 +1,8 @@
 """train.py for real: `accelerate launch` of several CPU processes under DeepSpeed ZeRO-3 (gloo, fp32).
 
 The reference run (3 processes x micro-batch 2 = global batch 6, 10 steps) is compared against one process with
-the same global batch, against a run stopped and resumed, and against runs hit by SIGTERM, SIGKILL and a NaN.
+the same global batch, against a run stopped and resumed, and against runs hit by SIGTERM and SIGKILL (a NaN
+step, a hang and a killed rank: test_resilience.py).
 """
 
 import json
@@ -166,33 +167,6 @@ def test_sigkill_while_saving_keeps_previous_checkpoint(ref, docs_data, tmp_path
     assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_10", "step_2", "step_8"]
     assert (ckpts / "latest").read_text().strip() == "step_10"
     assert_same_weights(ref[0], out)
-
-
-def test_nan_loss_stops_without_writing(docs_data, tmp_path):
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    out = tmp_path / "nan"
-    proc = launch(
-        3,
-        *TINY,
-        *STEPS,
-        "--micro_batch_size",
-        "2",
-        "--save_every",
-        "2",
-        "--data_dir",
-        docs_data,
-        "--output_dir",
-        out,
-        check=False,
-        env={"TRAIN_TEST_FAULT": "nan_loss:0:3"},
-    )
-    assert proc.returncode != 0
-    assert "step 3: loss nan" in proc.stderr and "not finite" in proc.stderr
-    ckpts = out / "checkpoints"
-    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_2"] and not (out / "final").exists()
-    state = get_fp32_state_dict_from_zero_checkpoint(str(ckpts / "step_2"))
-    assert state and all(torch.isfinite(t).all() for t in state.values())
 
 
 def test_resume_with_other_world_size_is_refused(ref, docs_data):

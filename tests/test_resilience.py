@@ -1,0 +1,75 @@
+"""Runs that heal themselves (resilience.py): a non-finite step is skipped on every process and counted, too many
+in a row stop the run with the last checkpoint intact. Real NaNs (TRAIN_TEST_FAULT), real `accelerate launch` of
+ZeRO-3 CPU processes."""
+
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, TINY, launch, run, train_records
+
+
+def tensors(obj, prefix=""):
+    """Every tensor in a nested checkpoint object, by its path."""
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from tensors(v, f"{prefix}/{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from tensors(v, f"{prefix}/{i}")
+
+
+def zero_state(step_dir, rank: int) -> dict:
+    """One rank's ZeRO-3 partition of the fp32 master weights and Adam moments, as DeepSpeed saved it."""
+    (path,) = (step_dir / "pytorch_model").glob(f"*zero_pp_rank_{rank}_*optim_states.pt")
+    return dict(tensors(torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]))
+
+
+def test_nan_step_is_skipped_on_every_process(docs_data, tmp_path):
+    """Rank 0's loss at step 5 is NaN: DeepSpeed's overflow check sees the global gradient norm and every rank skips
+    the step; weights, Adam moments and the LR stay where step 4 left them, and the run goes on."""
+    out = tmp_path / "skip"
+    args = ["--max_steps", "7", "--micro_batch_size", "2", "--save_every", "1", "--keep_last", "4"]
+    proc = launch(
+        3, *TINY, *args, "--data_dir", docs_data, "--output_dir", out, env={"TRAIN_TEST_FAULT": "nan_loss:0:5"}
+    )
+    assert "step 5: skipped (the loss or gradient norm is not finite)" in proc.stdout, proc.stdout[-3000:]
+    records = train_records(out)
+    assert records[5]["loss"] is None and records[5]["skipped_steps"] == 1 and records[7]["skipped_steps"] == 1
+    assert all(records[s]["loss"] is not None for s in (4, 6, 7))
+    assert records[6]["lr"] == records[5]["lr"]  # the schedule does not advance on a skipped step
+    ckpts = out / "checkpoints"
+    for rank in range(3):
+        before, after, later = (zero_state(ckpts / f"step_{s}", rank) for s in (4, 5, 6))
+        assert before.keys() == after.keys() and before
+        for name in before:
+            assert torch.equal(before[name], after[name]), (rank, name)
+        assert any(not torch.equal(after[n], later[n]) for n in after), rank  # step 6 trains again
+    assert (out / "final").is_dir()
+
+
+def test_four_nan_steps_in_a_row_stop_the_run(docs_data, tmp_path):
+    out = tmp_path / "four"
+    proc = launch(
+        1, *TINY, "--max_steps", "8", "--micro_batch_size", "2", "--save_every", "2", "--data_dir", docs_data,
+        "--output_dir", out, check=False, env={"TRAIN_TEST_FAULT": "nan_loss:0:3-6"},
+    )  # fmt: skip
+    assert proc.returncode != 0, proc.stderr[-3000:]  # 3 from train.py; the launcher exits 1
+    assert "error: steps 3-6: 4 steps in a row had a non-finite loss" in proc.stderr, proc.stderr[-3000:]
+    ckpts = out / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step_4" and not (out / "final").exists()
+
+
+@pytest.mark.parametrize("fault", ["nan_loss:0:3"])
+def test_nan_step_skipped_without_deepspeed(docs_data, tmp_path, fault):
+    """`python train.py` (no DeepSpeed): the loop itself skips a step whose clipped gradient norm is not finite."""
+    out = tmp_path / "plain"
+    cmd = [sys.executable, "train.py", *TINY, "--max_steps", "5", "--micro_batch_size", "2", "--data_dir", docs_data]
+    proc = run([*cmd, "--output_dir", out], env={"TRAIN_TEST_FAULT": fault}, cwd=REPO)
+    assert "step 3: skipped" in proc.stdout, proc.stdout[-3000:]
+    records = train_records(out)
+    assert records[3]["loss"] is None and records[5]["skipped_steps"] == 1
+    assert all(records[s]["loss"] is not None and records[s]["loss"] < 7 for s in (4, 5))
