@@ -22,7 +22,7 @@ import torch
 
 import models
 from cli import UserError, fault, remove, replace_dir, write_atomic, write_json_atomic
-from metrics import truncate_metrics
+from metrics import append, read_metrics, truncate_metrics
 
 # Settings that change what a run reports or where it reads and writes, not what it trains: free to change on resume.
 RESUME_CHANGEABLE = {
@@ -480,9 +480,19 @@ def start_outputs(run, accelerator, mem_before_model_gib: float) -> None:
     cfg, out = run.cfg, Path(run.cfg.output_dir)
     if accelerator.is_main_process:
         if run.resume is not None and (out / "metrics.jsonl").exists():
-            torn = truncate_metrics(out / "metrics.jsonl", run.resume.state["step"])
+            step = run.resume.state["step"]
+            logged = max((r["step"] for r in read_metrics(out / "metrics.jsonl")[0]), default=step)
+            torn = truncate_metrics(out / "metrics.jsonl", step)
             if torn:
                 print(f"warning: dropped {torn} torn line(s) of {out / 'metrics.jsonl'} (a write cut short)")
+            # What the resume cost: the steps the stopped run took after its checkpoint (as far as it logged them).
+            restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # the launcher's --max_restarts count
+            lost = max(0, logged - step)
+            append(out / "metrics.jsonl", {"step": step, "event": "resume", "restart": restart, "lost_steps": lost})
+            print(
+                f"{f'restart {restart} by the launcher: ' if restart else ''}resumed from {run.resume.path.name} "
+                f"(step {step}); {lost} step(s) logged after it were lost"
+            )
         else:
             write_atomic(out / "metrics.jsonl", "")
         settings = {"written_by": "train.py", **dataclasses.asdict(cfg), "batch_plan": dataclasses.asdict(run.batch)}

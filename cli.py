@@ -48,29 +48,41 @@ def given_fields(config_class, argv: list[str]) -> set[str]:
     return set(vars(parser.parse_known_args(argv)[0]))
 
 
-# The crash tests' switch, TRAIN_TEST_FAULT=kind:rank:step (or kind:rank:first-last, every step of the range), and
-# every point it can hit. Real signals and real NaNs; inert unless the variable names this exact point.
+# The crash tests' switch, TRAIN_TEST_FAULT=kind:rank:step[-last][@attempt][,...]: the points below, at one step or
+# every step of a range, on every launch or only on the launcher's attempt number `attempt` (0: before any restart).
+# Real signals and real NaNs; inert unless the variable names this exact point.
 FAULTS = {
     "nan_loss": "train.py: the loss of step `step` on rank `rank` becomes NaN (the caller multiplies it)",
     "sigterm_launcher": "train.py: after step `step`, rank `rank` sends SIGTERM to its launcher (a preemption)",
+    "sigkill_rank": "train.py: after step `step`, rank `rank` kills itself with SIGKILL (a crashed process)",
+    "sigstop_rank": "train.py: after step `step`, rank `rank` stops itself with SIGSTOP (a hung process)",
     "sigkill_in_save": "checkpoint.py: rank `rank` is killed after writing its shards of checkpoint `step`",
     "sigterm_in_save": "checkpoint.py: rank `rank` gets SIGTERM while checkpoint `step` is written",
 }
+SIGNALS = {"sigkill_rank": signal.SIGKILL, "sigstop_rank": signal.SIGSTOP, "sigkill_in_save": signal.SIGKILL}
 
 
 def fault(kind: str, rank: int, step: int) -> bool:
     """Whether TRAIN_TEST_FAULT names this point; the signal faults are sent here."""
     assert kind in FAULTS, kind
-    named = re.fullmatch(r"(\w+):(\d+):(\d+)(?:-(\d+))?", os.environ.get("TRAIN_TEST_FAULT", ""))
-    if not named or named[1] != kind or int(named[2]) != rank:
-        return False
-    if not int(named[3]) <= step <= int(named[4] or named[3]):
-        return False
-    if kind == "sigterm_launcher":
-        os.kill(os.getppid(), signal.SIGTERM)
-    elif kind in ("sigkill_in_save", "sigterm_in_save"):
-        os.kill(os.getpid(), signal.SIGKILL if kind == "sigkill_in_save" else signal.SIGTERM)
-    return True
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    for spec in filter(None, os.environ.get("TRAIN_TEST_FAULT", "").split(",")):
+        named = re.fullmatch(r"(\w+):(\d+):(\d+)(?:-(\d+))?(?:@(\d+))?", spec)
+        if (
+            not named
+            or named[1] != kind
+            or int(named[2]) != rank
+            or not int(named[3]) <= step <= int(named[4] or named[3])
+        ):
+            continue
+        if named[5] is not None and int(named[5]) != attempt:
+            continue
+        if kind == "sigterm_launcher":
+            os.kill(os.getppid(), signal.SIGTERM)
+        elif kind != "nan_loss":
+            os.kill(os.getpid(), SIGNALS.get(kind, signal.SIGTERM))
+        return True
+    return False
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -119,6 +119,37 @@ def live_launch(accelerator) -> Launch:
     )
 
 
+def join_restarted_process_group() -> None:
+    """After a restart by `accelerate launch --max_restarts N` (torchrun's elastic agent), create the process group
+    under a key prefix of this attempt, before Accelerate and DeepSpeed would (DeepSpeed adopts a group that exists).
+
+    Why: the configs' rdzv_backend `static` keeps ONE key-value store on the launcher for every attempt, and the
+    workers join it with no per-attempt prefix (torch's env:// rendezvous assumes a fresh store per attempt). The
+    restarted workers then read the dead attempt's gloo/NCCL addresses and fail ("Connection refused") or hang. An
+    upstream fix would give each static-rendezvous attempt a fresh store or an attempt prefix in the workers' store.
+    The first attempt is left to Accelerate as before."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or torch.distributed.is_initialized():
+        return
+    import datetime
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = datetime.timedelta(minutes=30)
+    store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False, timeout)
+    kwargs = {}
+    if torch.cuda.is_available():  # bound to its GPU, as DeepSpeed binds it
+        kwargs["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(kwargs["device_id"])
+    torch.distributed.init_process_group(
+        "nccl" if torch.cuda.is_available() else "gloo",
+        store=torch.distributed.PrefixStore(f"train.py/attempt_{attempt}", store),
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+        **kwargs,
+    )
+
+
 def start_accelerator(log_with: str, project_dir: str):
     """The Accelerator of this process, refusing a launch whose processes would not synchronise."""
     from accelerate import Accelerator
@@ -128,6 +159,7 @@ def start_accelerator(log_with: str, project_dir: str):
     # A plain `python train.py` has no process group to create; LOCAL_RANK is how Accelerate itself tells.
     launched = "LOCAL_RANK" in os.environ
     kwargs = [InitProcessGroupKwargs(backend="gloo")] if launched and not torch.cuda.is_available() else []
+    join_restarted_process_group()
     with cli.without_noise():
         accelerator = Accelerator(log_with=log_with or None, project_dir=project_dir, kwargs_handlers=kwargs)
     started = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1

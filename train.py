@@ -71,6 +71,8 @@ class Config:
     adam_beta2: float = field(0.95, "AdamW beta2")
     adam_eps: float = field(1e-8, "AdamW epsilon")
     max_grad_norm: float = field(1.0, "clip the global gradient norm to this (0: no clipping)")
+    step_timeout_s: float = field(-1, "a step running longer than this is a hang: stacks to OUT/hang-*.txt, exit 3 "
+                                      "(-1: 20x the warm step time, at least 5 min; 0: off)")
     max_skipped_steps: int = field(3, "steps in a row skipped for a non-finite loss or gradient norm before the run "
                                       "stops (bf16/fp32; fp16 stops at its minimum loss scale)")
     seed: int = field(0, "seeds the weights and the data order")
@@ -458,9 +460,12 @@ def train(cfg: Config, given: set[str]) -> int:
     bar = cli.progress_bar(
         total=run.total_steps, initial=step, desc="train", dynamic_ncols=True, disable=not accelerator.is_main_process
     )
+    watchdog = resilience.Watchdog(out, rank, accelerator.num_processes, cfg.step_timeout_s)
     if step == 0 and cfg.eval_at_start:
+        watchdog.beat(0, "validation")
         validate_at(0)
     interval, vote, skips = metrics.Interval(), resilience.StopVote(accelerator), parts.skips
+    watchdog.beat(step)
     while step < run.total_steps:
         # One optimizer step over `accum` micro-batches. A MoE model's balance loss is added to what is
         # backpropagated (not to the loss logged), and its routers' biases move once the step is taken. A skipped
@@ -488,7 +493,7 @@ def train(cfg: Config, given: set[str]) -> int:
             loss_sum += loss.detach()
         if balancer:
             balancer.update(accelerator)
-        cli.fault("sigterm_launcher", rank, step + 1)
+        any(cli.fault(kind, rank, step + 1) for kind in ("sigterm_launcher", "sigkill_rank", "sigstop_rank"))
         step += 1
         stop_requested = vote.after_step(bool(stop_signal))  # the previous step's vote: every process stops together
         if not skips.after_step(
@@ -506,8 +511,10 @@ def train(cfg: Config, given: set[str]) -> int:
             interval = metrics.Interval()
         pause_t0 = time.perf_counter()
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == run.total_steps:
+            watchdog.beat(step, "validation")
             validate_at(step)
         if (cfg.save_every and step % cfg.save_every == 0) or step == run.total_steps or stop_requested:
+            watchdog.beat(step, "checkpoint")
             saved = checkpoint.save_checkpoint(
                 accelerator,
                 checkpoint.Save(ckpt_root, step, run.state_at(step, skips.total), run.model_config, cfg.keep_last),
@@ -518,17 +525,21 @@ def train(cfg: Config, given: set[str]) -> int:
             # A signal that came while the checkpoint was written stops the run now, not one step and checkpoint later.
             stop_requested = vote.now(stop_requested or bool(stop_signal))
         interval.t0 += time.perf_counter() - pause_t0  # throughput counts training time only
+        watchdog.beat(step)
         if stop_requested and step < run.total_steps:
             bar.close()
             accelerator.print(
                 f"stopped by signal after step {step}; the same command with --resume auto continues "
                 f"from {ckpt_root / f'step_{step}'}"
             )
+            watchdog.stop()
             accelerator.end_training()
             return 0
     vote.settle()
     bar.close()
+    watchdog.beat(step, "final export")
     finish(run, parts)
+    watchdog.stop()
     return 0
 
 

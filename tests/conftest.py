@@ -60,7 +60,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_cmd(nproc: int, *train_args, config=CPU_CONFIG, script="train.py", accum=1):
+def launch_cmd(nproc: int, *train_args, config=CPU_CONFIG, script="train.py", accum=1, launcher_args=()):
     return [
         ACCELERATE,
         "launch",
@@ -72,6 +72,7 @@ def launch_cmd(nproc: int, *train_args, config=CPU_CONFIG, script="train.py", ac
         str(accum),
         "--main_process_port",
         str(free_port()),
+        *launcher_args,
         script,
         *map(str, train_args),
     ]
@@ -123,6 +124,15 @@ def docs_data(tmp_path_factory) -> Path:
         ]
     )
     return out
+
+
+@pytest.fixture(scope="session")
+def ref_run(docs_data, tmp_path_factory):
+    """The reference run: 3 processes x micro-batch 2 = global batch 6, 10 steps, no checkpoint before the end;
+    returns (OUT, the launch's CompletedProcess)."""
+    out = tmp_path_factory.mktemp("ref") / "out"
+    args = [*TINY, "--max_steps", "10", "--micro_batch_size", "2", "--data_dir", docs_data, "--output_dir", out]
+    return out, launch(3, *args)
 
 
 @pytest.fixture(scope="session")

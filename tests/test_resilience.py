@@ -2,12 +2,14 @@
 in a row stop the run with the last checkpoint intact. Real NaNs (TRAIN_TEST_FAULT), real `accelerate launch` of
 ZeRO-3 CPU processes."""
 
+import re
 import sys
+import time
 
 import pytest
 import torch
 
-from conftest import REPO, TINY, launch, run, train_records
+from conftest import REPO, TINY, assert_processes, launch, launch_cmd, metrics, run, train_records
 
 
 def tensors(obj, prefix=""):
@@ -73,3 +75,41 @@ def test_nan_step_skipped_without_deepspeed(docs_data, tmp_path, fault):
     records = train_records(out)
     assert records[3]["loss"] is None and records[5]["skipped_steps"] == 1
     assert all(records[s]["loss"] is not None and records[s]["loss"] < 7 for s in (4, 5))
+
+
+def test_killed_then_hung_rank_restarts_by_itself(ref_run, docs_data, tmp_path):
+    """`accelerate launch --max_restarts 2 ... --resume auto`: rank 1 is killed (SIGKILL) after step 6 of the first
+    attempt (before its checkpoint) and stopped (SIGSTOP) after step 8 of the second. The watchdog of the ranks still
+    running dumps their stacks and ends the attempt; the launcher restarts all ranks each time, each restart resumes
+    from the newest checkpoint, and the losses equal the straight run's. Seen to fail without
+    plan.join_restarted_process_group: the restarted workers die on the dead attempt's gloo addresses."""
+    out = tmp_path / "heal"
+    args = [*TINY, "--max_steps", "10", "--micro_batch_size", "2", "--save_every", "2", "--resume", "auto"]
+    cmd = launch_cmd(3, *args, "--step_timeout_s", "10", "--data_dir", docs_data, "--output_dir", out,
+                     launcher_args=["--max_restarts", "2", "--monitor_interval", "1"])  # fmt: skip
+    proc = run(cmd, env={"TRAIN_TEST_FAULT": "sigkill_rank:1:6@0,sigstop_rank:1:8@1"})
+    assert_processes(proc, 3)
+    resumes = [r for r in metrics(out) if r.get("event") == "resume"]
+    assert [(r["restart"], r["step"], r["lost_steps"]) for r in resumes] == [(1, 4, 1), (2, 6, 1)], resumes
+    assert "restart 2 by the launcher: resumed from step_6 (step 6); 1 step(s) logged after it were lost" in proc.stdout
+    dumps = sorted(p.name for p in out.glob("hang-*-rank*.txt"))
+    assert [d.rsplit("-", 1)[1] for d in dumps] == ["rank0.txt", "rank2.txt"], dumps  # rank 1 was stopped
+    assert "most recent call first" in (out / dumps[0]).read_text()
+    assert re.search(r"error: step 8 made no progress .* ranks 0, 2 answered, rank 1 did not", proc.stderr)
+    straight, healed = train_records(ref_run[0]), train_records(out)
+    for step in range(1, 11):
+        assert healed[step]["loss"] == pytest.approx(straight[step]["loss"], rel=1e-6), step
+    assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_hung_rank_without_restarts_ends_the_run(docs_data, tmp_path):
+    """No --max_restarts: the run ends non-zero a few seconds after the step timeout, not never."""
+    out = tmp_path / "hang"
+    args = [*TINY, "--max_steps", "10", "--micro_batch_size", "2", "--step_timeout_s", "10"]
+    cmd = launch_cmd(3, *args, "--data_dir", docs_data, "--output_dir", out, launcher_args=["--monitor_interval", "1"])
+    proc = run(cmd, check=False, env={"TRAIN_TEST_FAULT": "sigstop_rank:2:3"}, timeout=300)
+    ended = time.time()
+    assert proc.returncode != 0 and "ranks 0, 1 answered, rank 2 did not" in proc.stderr, proc.stderr[-3000:]
+    dump = min(out.glob("hang-*-rank0.txt"), key=lambda p: p.stat().st_mtime)
+    assert re.match(r"rank 0 \(pid \d+ on .*\): step 3 made no progress for 1\d s", dump.read_text())
+    assert ended - dump.stat().st_mtime < 15  # the timeout fired, then at most a few seconds until the launcher ended

@@ -43,10 +43,8 @@ def assert_same_losses(a_dir, b_dir, rel, steps=range(1, 11)):
 
 
 @pytest.fixture(scope="module")
-def ref(docs_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ref") / "out"
-    proc = launch(3, *TINY, *STEPS, "--micro_batch_size", "2", "--data_dir", docs_data, "--output_dir", out)
-    return out, proc
+def ref(ref_run):
+    return ref_run  # conftest's: test_resilience.py compares against it too
 
 
 def test_three_processes_partition_the_parameters(ref):
