@@ -73,7 +73,7 @@ def console_line(r: dict, total_steps: int) -> str:
     return (
         f"step {r['step']}/{total_steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | grad {r['grad_norm']:.3f} | "
         f"{r['tokens_per_s']:,.0f} tok/s | MFU {r['mfu']:.1%} | peak mem {r['peak_mem_gib']:.2f} GiB"
-        + (f" | scale {r['loss_scale']:.0f}" if "loss_scale" in r else "")
+        + (f" | scale {r['loss_scale']:.0f}" if r.get("loss_scale") is not None else "")
         + (f" | skipped {r['skipped_steps']}" if r.get("skipped_steps") or "loss_scale" in r else "")
         + (
             f" | MaxVio {r['moe_maxvio_max']:.3f} worst, {r['moe_maxvio_mean']:.3f} mean"

@@ -162,6 +162,12 @@ def start_accelerator(log_with: str, project_dir: str):
     join_restarted_process_group()
     with cli.without_noise():
         accelerator = Accelerator(log_with=log_with or None, project_dir=project_dir, kwargs_handlers=kwargs)
+    if accelerator.mixed_precision == "fp16" and accelerator.state.deepspeed_plugin is None and not accelerator.scaler:
+        raise UserError(
+            f"fp16 without DeepSpeed needs a GPU: on {accelerator.device.type} Accelerate would run it as fp32 with "
+            f"no loss scaling. Launch with accelerate_configs/zero3_cpu.yaml (DeepSpeed trains fp16 where oneDNN "
+            f"has fp16), or use --mixed_precision bf16 or no"
+        )
     started = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     if started > 1 and accelerator.distributed_type == DistributedType.NO:  # torchrun on CPUs without the variable
         raise UserError(

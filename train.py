@@ -486,7 +486,7 @@ def train(cfg: Config, given: set[str]) -> int:
                 skip = False
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
-                    skip = parts.engine is None and run.launch.precision != "fp16" and not torch.isfinite(grad_norm)
+                    skip = parts.engine is None and accelerator.scaler is None and not torch.isfinite(grad_norm)
                 if not skip:  # (DeepSpeed and Accelerate's fp16 scaler skip a non-finite step themselves)
                     optimizer.step()
                 optimizer.zero_grad()

@@ -100,3 +100,32 @@ def test_an_fp16_checkpoint_is_refused_in_bf16(runs):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "precision='fp16'" in errors[0] and "precision='bf16'" in errors[0], proc.stderr[-3000:]
     assert (out / "metrics.jsonl").read_text() == before
+
+
+@needs("fp16")
+def test_fp16_overflow_skips_halves_the_scale_and_stops_at_the_minimum(docs_data, tmp_path):
+    """From step 3 on, rank 0's loss is NaN: DeepSpeed's fp16 scaler skips every step (weights and Adam moments stay
+    those of step 2: two checkpoints after it are equal), keeps the scale on the first overflow (hysteresis 2) and halves it on each one after; at scale 1
+    the run stops with one line of advice (exit 3) and its last checkpoint intact."""
+    from test_resilience import zero_state
+
+    out = tmp_path / "overflow"
+    cmd = launch_cmd(1, *TINY, "--max_steps", "40", "--micro_batch_size", "2", "--save_every", "8", "--no_eval_at_start",
+                     "--data_dir", docs_data, "--output_dir", out)  # fmt: skip
+    proc = run(
+        cmd[:2] + ["--mixed_precision", "fp16"] + cmd[2:], check=False, env={"TRAIN_TEST_FAULT": "nan_loss:0:3-40"}
+    )
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "fp16 loss scale is at its minimum" in errors[0], proc.stderr[-3000:]
+    records = train_records(out)
+    last = max(records)
+    assert [records[s]["loss_scale"] for s in range(1, 5)] == [65536, 65536, 65536, 32768]
+    assert all(records[s]["loss_scale"] == records[s - 1]["loss_scale"] / 2 for s in range(5, last + 1))
+    assert records[last]["loss_scale"] == 1 and records[last]["skipped_steps"] == last - 2
+    assert "step 4: skipped (fp16 overflow, loss scale now 32768); 2 in all" in proc.stdout
+    ckpts = out / "checkpoints"
+    newest = ckpts / (ckpts / "latest").read_text().strip()
+    assert not (out / "final").exists() and newest.name == f"step_{last - last % 8}"
+    before, after = zero_state(ckpts / "step_8", 0), zero_state(newest, 0)  # both after step 2, all skipped since
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
