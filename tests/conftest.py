@@ -171,6 +171,7 @@ rows = torch.from_numpy(np.stack([token_data.window(tokens, i, 32) for i in rang
 with torch.no_grad():
     nll, n = lmloss.nll_sum(m(input_ids=rows[:, :-1]).logits, rows[:, 1:])
     generated = m.generate(rows[:1, :8], max_new_tokens=4, do_sample=False)
-print(json.dumps({{"class": type(m).__name__, "val_loss": float(nll / n), "generated": generated.shape[1]}}))
+print(json.dumps({{"class": type(m).__name__, "dtype": str(m.dtype), "val_loss": float(nll / n),
+                  "generated": generated.shape[1]}}))
 """
     return json.loads(run([sys.executable, "-c", script]).stdout.strip().splitlines()[-1])

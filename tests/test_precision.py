@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY, assert_processes, launch_cmd, run, train_records
+from conftest import TINY, assert_processes, launch_cmd, metrics, reloaded_model, run, train_records
 
 
 def cpu_flags() -> set[str]:
@@ -86,6 +86,23 @@ def test_stop_and_resume_equals_the_straight_run(runs):
             assert resumed[step].get(key) == straight[step].get(key), (step, key)
     if runs["precision"] == "fp16":
         assert "loss_scale" in straight[STEPS] and "skipped_steps" in straight[STEPS]
+
+
+def test_export_loads_in_its_precision_and_scores_like_the_last_validation(runs, docs_data):
+    """OUT/final of a 16-bit run holds 16-bit weights (ZeRO-3 gathers them: stage3_gather_16bit_weights_on_model_save)
+    that from_pretrained loads as they are, and whose loss on the validation windows in a fresh process equals the
+    run's last val_loss to 2e-3 relative (16-bit rounding of weights and logits); an fp32 export fails the dtype check."""
+    from safetensors import safe_open
+
+    final = runs["dir"] / "three" / "final"
+    with safe_open(final / "model.safetensors", "pt") as f:
+        dtypes = {f.get_tensor(k).dtype for k in f.keys()}
+    expected = {"fp16": torch.float16, "bf16": torch.bfloat16}[runs["precision"]]
+    assert dtypes == {expected}, dtypes
+    fresh = reloaded_model(final, docs_data)
+    last = [r for r in metrics(runs["dir"] / "three") if "val_loss" in r][-1]["val_loss"]
+    assert fresh["class"].endswith("ForCausalLM") and fresh["dtype"] == str(expected)
+    assert fresh["val_loss"] == pytest.approx(last, rel=2e-3), (fresh["val_loss"], last)
 
 
 @needs("fp16")
