@@ -144,12 +144,19 @@ def train_py_rate(
             f"{' '.join(launcher)} was to train on {processes} processes; its batch plan says: "
             f"{plan.group(0) if plan else 'nothing'}"
         )
-    records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in l][1:]
+    lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    records = [r for r in lines if r.get("loss") is not None][1:]
+    planned = re.search(r"^  step: .* = ([\d,]+) tokens/s", proc.stdout, re.MULTILINE)
+    peak = re.search(r"peak ([\d.]+) TFLOP/s \(([^)]*)\)", proc.stdout)
     return {
         "tokens_per_s": sum(r["tokens_per_s"] for r in records) / len(records),
         "mfu": sum(r["mfu"] for r in records) / len(records),
         "distributed_type": plan.group(2),
         "precision": plan.group(3),
+        "final_val_loss": next((r["val_loss"] for r in reversed(lines) if "val_loss" in r), None),
+        "planned_tokens_per_s": float(planned.group(1).replace(",", "")) if planned else None,
+        "peak_tflops": float(peak.group(1)) if peak else None,
+        "peak_source": peak.group(2) if peak else None,
     }
 
 

@@ -20,6 +20,7 @@ ORDER = [
     "eval_vs_harness",
     "moe_throughput",
     "planner_memory",
+    "precision",
 ]
 # (result, what, key, target): a ratio is "at least" its target; a negative target -t means "at most" t.
 SUMMARY = [
@@ -108,6 +109,25 @@ def summary_row(results: dict, name: str, what: str, key: str, target: float) ->
     return f"| {what} | {fmt(value)} | {bound} | {'yes' if met else '**no**'} | {r['machine']} | `{r['command']}` |"
 
 
+def section(name: str, r: dict) -> list[str]:
+    """One result's section: every key it recorded."""
+    lines = [f"## {name}", "", f"`{r['command']}` on {r['machine']}, {r['date']}", "", "| key | value |", "|---|---:|"]
+    for k, v in r.items():
+        if k in ("name", "command", "machine", "date"):
+            continue
+        if isinstance(v, dict) and v and all(isinstance(x, dict) for x in v.values()):
+            for kk, row in v.items():
+                lines.append(
+                    f"| {k}[{kk}] | " + ", ".join(f"{a} {fmt(b)}" for a, b in row.items() if a != "summary") + " |"
+                )
+        elif isinstance(v, list) and v and isinstance(v[0], dict):
+            for i, row in enumerate(v):
+                lines.append(f"| {k}[{i}] | " + ", ".join(f"{kk} {fmt(vv)}" for kk, vv in row.items()) + " |")
+        else:
+            lines.append(f"| {k} | {fmt(v)} |")
+    return [*lines, ""]
+
+
 def main():
     results = {p.stem: json.loads(p.read_text()) for p in RESULTS.glob("*.json")}
     lines = [
@@ -134,31 +154,8 @@ def main():
             )
     lines += ["", (REPO / "bench" / "NOTES.md").read_text().strip(), ""]
     for name in ORDER:
-        if name not in results:
-            continue
-        r = results[name]
-        lines += [
-            f"## {name}",
-            "",
-            f"`{r['command']}` on {r['machine']}, {r['date']}",
-            "",
-            "| key | value |",
-            "|---|---:|",
-        ]
-        for k, v in r.items():
-            if k in ("name", "command", "machine", "date"):
-                continue
-            if isinstance(v, dict) and v and all(isinstance(x, dict) for x in v.values()):
-                for kk, row in v.items():
-                    lines.append(
-                        f"| {k}[{kk}] | " + ", ".join(f"{a} {fmt(b)}" for a, b in row.items() if a != "summary") + " |"
-                    )
-            elif isinstance(v, list) and v and isinstance(v[0], dict):
-                for i, row in enumerate(v):
-                    lines.append(f"| {k}[{i}] | " + ", ".join(f"{kk} {fmt(vv)}" for kk, vv in row.items()) + " |")
-            else:
-                lines.append(f"| {k} | {fmt(v)} |")
-        lines.append("")
+        if name in results:
+            lines += section(name, results[name])
     gpu = RESULTS / "gpu" / "summary.txt"
     lines += ["## GPU", ""]
     lines.append(

@@ -34,6 +34,7 @@ BENCHMARKS = [  # (result name, command)
     ("eval_vs_harness", ["bench/eval_vs_harness.py"]),
     ("moe_throughput", ["bench/moe_throughput.py"]),
     ("planner_memory", ["bench/planner_memory.py"]),
+    ("precision", ["bench/precision.py"]),
 ]
 NEEDS_WIKITEXT = {"prepare_vs_tokenizer_wikitext2", "eval_vs_harness"}
 
