@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import logging
 import os
 from pathlib import Path
 
 from cli import UserError
 
-# `--tasks core`: the zero-shot set of the GPT-3, Pythia, OLMo and DeepSeek LLM tables. All are scored by
-# log-likelihood (no generation settings to match), cover science questions (ARC), commonsense (HellaSwag, PIQA),
-# coreference (Winogrande) and long-range word prediction (LAMBADA), and a small model is above chance on most of them.
+# `--tasks core`: six of the tasks base-model reports (GPT-3's onwards) most often show zero-shot. All are scored by
+# log-likelihood (no generation settings to match) and cover science questions (ARC), commonsense (HellaSwag, PIQA),
+# coreference (Winogrande) and long-range word prediction (LAMBADA). Their data are Hub datasets.
 CORE_TASKS = ("arc_easy", "arc_challenge", "hellaswag", "piqa", "winogrande", "lambada_openai")
 # What HFLM warns when handed a built model: that it runs on one process, which eval.py makes sure of.
 HFLM_NOISE = ("`pretrained` model kwarg is not of type `str`", "Passed an already-initialized model")
@@ -52,6 +53,12 @@ def task_manager(include_path: str):
     """The harness's task registry, with the task definitions of --include_path (which take precedence)."""
     if include_path and not Path(include_path).is_dir():
         raise UserError(f"--include_path {include_path} is not a directory; pass the directory of your task YAML files")
+    return _task_manager(str(Path(include_path).resolve()) if include_path else "")
+
+
+@functools.lru_cache(maxsize=4)
+def _task_manager(include_path: str):
+    """Kept per directory within a process: building the index reads the harness's thousands of task YAML files."""
     from lm_eval.tasks import TaskManager
 
     return TaskManager(include_path=include_path or None)
