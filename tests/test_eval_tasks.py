@@ -83,14 +83,16 @@ def scores(report_tasks: dict) -> dict:
 
 
 def test_tasks_equal_the_lm_eval_cli(trained, docs_data, task_dir, tmp_path, capsys):
-    """The issue's first proof: the harness's CLI and eval.py --tasks on the same model, dtype and batch size."""
+    """The issue's first proof: the harness's CLI and eval.py --tasks on the same model, dtype and batch size, with
+    the same --num_fewshot and --limit (one shot drawn by the harness's seeded sampler, 12 of the 16 examples)."""
     model = trained / "final"
     harness_out = tmp_path / "harness"
-    run(harness_command(model, task_dir, TASKS, 4, harness_out), env=OFFLINE)
+    shots = ["--num_fewshot", "1", "--limit", "12"]
+    run(harness_command(model, task_dir, TASKS, 4, harness_out) + shots, env=OFFLINE)
     harness = {name: read_harness_results(harness_out, name) for name in TASKS.split(",")}
     report = tmp_path / "report.json"
     code = ev.main(
-        ["--model", str(model), "--tasks", TASKS, "--include_path", str(task_dir), "--batch_size", "4",
+        ["--model", str(model), "--tasks", TASKS, "--include_path", str(task_dir), "--batch_size", "4", *shots,
          "--dtype", "float32", "--dataset", str(docs_data), "--split", "validation", "--max_documents", "2",
          "--output_json", str(report)]
     )  # fmt: skip
@@ -105,6 +107,8 @@ def test_tasks_equal_the_lm_eval_cli(trained, docs_data, task_dir, tmp_path, cap
     assert 0 < ours["tasks"]["local_mc"]["acc,none"] < 1 and ours["tasks"]["local_ll"]["perplexity,none"] > 1
     # One JSON: the perplexity beside the task results; the harness's table on the console.
     assert ours["documents"] == 2 and ours["token_perplexity"] > 1 and ours["task_settings"]["batch_size"] == 4
+    assert ours["task_settings"]["num_fewshot"] == {"local_mc": 1, "local_ll": 1}
+    assert ours["task_settings"]["n_samples"]["local_mc"] == {"original": 16, "effective": 12}
     assert "|local_mc|" in stdout and "acc_norm" in stdout and "token_perplexity" in stdout
 
 
