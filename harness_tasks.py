@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import json
 import logging
 import os
 from pathlib import Path
@@ -154,8 +155,8 @@ def run_tasks(model, tokenizer, settings: TaskSettings, loaded) -> dict:
 
 def task_report(results: dict, settings: TaskSettings) -> dict:
     """What eval.py's JSON report keeps of the harness's results: its per-task metrics as its own results JSON names
-    them ("acc,none", "acc_norm,none", ...), per-group ones, and what they were run with."""
-    return {
+    them ("acc,none", "acc_norm,none", ...), per-group ones, and what they were run with; plain JSON values only."""
+    report = {
         "tasks": results["results"],
         **({"groups": results["groups"]} if results.get("groups") else {}),
         "task_settings": {
@@ -170,6 +171,8 @@ def task_report(results: dict, settings: TaskSettings) -> dict:
             "lm_eval_version": results.get("lm_eval_version"),
         },
     }
+    # A task's own metric may hand back a numpy number: JSON gets its value.
+    return json.loads(json.dumps(report, default=lambda v: v.item() if hasattr(v, "item") else str(v)))
 
 
 def results_table(report: dict) -> str:

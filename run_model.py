@@ -32,9 +32,10 @@ class RunCheckpoint:
 
 def is_checkpoint_dir(path: Path) -> bool:
     """Whether a directory is (or was meant to be) a train.py checkpoint rather than a Hugging Face model directory."""
-    markers = ("trainer_state.json", "model_config.json", "manifest.json")
+    if any((path / m).is_file() for m in ("trainer_state.json", "model_config.json", "manifest.json")):
+        return True
     named_like_one = checkpoint.step_of(path) is not None and path.parent.name == "checkpoints"
-    return named_like_one or any((path / m).is_file() for m in markers)
+    return named_like_one and not (path / "config.json").is_file()  # another tool's model saved under that name
 
 
 def find_checkpoint(name: str) -> RunCheckpoint | None:

@@ -206,3 +206,18 @@ def test_unknown_task_and_dataset_out_of_reach(trained, task_dir, tmp_path, caps
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("error: --tasks: the datasets of arc_easy: allenai/ai2_arc (ARC-Easy) cannot be loaded")
     assert "HF_DATASETS_OFFLINE=0" in line and "--include_path" in line, line
+
+
+def test_what_counts_as_a_checkpoint(tmp_path):
+    """A directory named like a checkpoint (checkpoints/step_N) but holding a Hugging Face model is a model; without
+    one it is a checkpoint that died before its trainer_state.json, and refused."""
+    import run_model
+    from cli import UserError
+
+    step = tmp_path / "checkpoints" / "step_5"
+    step.mkdir(parents=True)
+    (step / "config.json").write_text("{}")
+    assert run_model.find_checkpoint(str(step)) is None
+    (step / "config.json").unlink()
+    with pytest.raises(UserError, match="step_5 is not a complete checkpoint: no trainer_state.json"):
+        run_model.find_checkpoint(str(step))
