@@ -1,10 +1,20 @@
-"""Corpus perplexity of any causal LM; on WikiText, the numbers of lm-evaluation-harness's `wikitext` task.
+"""Corpus perplexity of any causal LM (on WikiText, the numbers of lm-evaluation-harness's `wikitext` task), and
+downstream tasks (HellaSwag, ARC, ...) through lm-evaluation-harness itself; of an exported model or a checkpoint.
 
     python eval.py --model runs/tiny/final --dataset path/to/wikitext-2 --split test     # local wiki.test.raw
     python eval.py --model runs/tiny/final --dataset data/python-docs --split validation # a prepare_data.py directory
     python eval.py --model gpt2 --dataset wikitext-2 --max_length 1024 --stride 512      # online, Hub data and model
     ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 eval.py --model runs/tiny/final     # over 2 CPU processes
     accelerate launch --num_processes 3 eval.py --model runs/1.3b/final                  # documents split over 3 GPUs
+    python eval.py --model runs/1.3b/final --tasks core --batch_size 32                  # the harness's core tasks
+    python eval.py --model runs/1.3b/checkpoints/step_500 --tasks core --dataset wikitext-2  # a checkpoint, both
+    python eval.py --model runs/1.3b --tasks my_task --include_path my_tasks/            # newest intact checkpoint
+
+--model is a Hugging Face model directory (or Hub id), a train.py checkpoint (OUT/checkpoints/step_N: its ZeRO-3
+shards consolidated in memory by DeepSpeed, nothing written), or a run directory OUT (its newest intact checkpoint).
+--tasks runs lm-evaluation-harness's own tasks through its Python API and its HF model class on that model: the
+numbers of `lm_eval --model hf` on the same model, dtype and batch size. Without --tasks the perplexity is of
+--dataset (default wikitext-2); with --tasks, perplexity is added only when --dataset is given.
 
 WikiText (the Hub presets, local wiki.*.raw files) is scored as the harness scores it: the pages of
 EleutherAI/wikitext_document_level (a local file is split into exactly those pages), each page passed through the
@@ -33,7 +43,9 @@ import torch
 import cli
 import corpora
 import documents
+import harness_tasks
 import models
+import run_model
 from cli import UserError, field, write_json_atomic
 from lmloss import make_windows, score_windows
 
@@ -41,21 +53,30 @@ from lmloss import make_windows, score_windows
 # fmt: off
 @dataclasses.dataclass
 class Config:
-    model: str = field("", "causal LM directory (or Hub id, online) that AutoModelForCausalLM loads")
-    tokenizer: str = field("", "tokenizer directory or Hub id (default: the model's)")
-    dataset: str = field("wikitext-2", "wikitext-2 | wikitext-103 (Hub), a prepare_data.py directory, or a local "
-                                       "file/directory (wiki.test.raw layout, .txt blocks, .jsonl)")
+    model: str = field("", "causal LM directory (or Hub id, online) that AutoModelForCausalLM loads, a train.py "
+                           "checkpoint OUT/checkpoints/step_N, or a run directory OUT (its newest intact checkpoint)")
+    tokenizer: str = field("", "tokenizer directory or Hub id (default: the model's; a checkpoint's: its run's)")
+    dataset: str = field("", "perplexity on: wikitext-2 | wikitext-103 (Hub), a prepare_data.py directory, or a "
+                             "local file/directory (wiki.test.raw layout, .txt blocks, .jsonl); default wikitext-2, "
+                             "none with --tasks")
     split: str = field("test", "split to score: test | validation | train")
     text_field: str = field("text", "text field of .jsonl/.parquet records")
     max_length: int = field(0, "tokens per window (0: the model's context)")
     stride: int = field(0, "new tokens scored per window (0: --max_length, no overlap)")
-    batch_size: int = field(4, "windows per forward pass (4 is fastest on CPUs; raise it on a GPU)")
+    batch_size: int = field(4, "windows per forward pass (4 is fastest on CPUs; raise it on a GPU); for --tasks, "
+                               "the harness's --batch_size")
     max_documents: int = field(0, "score only the first N documents (0: all)")
     dtype: str = field("auto", "float32 | bfloat16 | float16 | auto (bf16 on GPUs that have it, else fp32)")
     device: str = field("", "cuda | cpu (default: CUDA when present); under accelerate launch, the process's device")
     output_json: str = field("", "write the report here as JSON")
     raw_text: bool = field(False, "score WikiText pages as they are, not through lm-evaluation-harness's "
                                   "wikitext_detokenizer")
+    # downstream tasks (lm-evaluation-harness)
+    tasks: str = field("", "comma-separated lm-evaluation-harness tasks, groups or tags; `core` = "
+                           f"{','.join(harness_tasks.CORE_TASKS)} (their Hub datasets, cached once)")
+    include_path: str = field("", "directory of task YAML files of your own (the harness's --include_path)")
+    num_fewshot: int = field(-1, "examples in each task's context (-1: the task's own setting)")
+    limit: float = field(0, "score only the first N examples of each task (below 1: that fraction; 0: all)")
 # fmt: on
 
 
@@ -246,33 +267,55 @@ def check_weights_match_config(name: str, loading: dict) -> None:
         )
 
 
-def load_model(cfg: Config, device: torch.device):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def model_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.dtype)
     if cfg.dtype == "auto":
         dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
     if dtype is None:
         raise UserError(f"--dtype {cfg.dtype} must be one of float32, bfloat16, float16, auto")
-    check_model_files("--model", cfg.model)
+    return dtype
+
+
+def load_tokenizer(cfg: Config, ckpt: run_model.RunCheckpoint | None):
+    """--tokenizer, else the model directory's, else (a checkpoint) the tokenizer of the run's data."""
+    from transformers import AutoTokenizer
+
     if cfg.tokenizer:
         check_model_files("--tokenizer", cfg.tokenizer)
-    flag, name = ("--tokenizer", cfg.tokenizer) if cfg.tokenizer else ("--model", cfg.model)
+        flag, name = "--tokenizer", cfg.tokenizer
+    elif ckpt is not None:
+        flag, name = f"--model {cfg.model}: the run's tokenizer", str(ckpt.tokenizer_dir)
+    else:
+        flag, name = "--model", cfg.model
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
-    except Exception as e:  # the tokenizers library raises a bare Exception on a tokenizer.json of the wrong shape
+        return AutoTokenizer.from_pretrained(name)
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception on a torn tokenizer.json
         raise UserError(
             f"{flag} {name}: its tokenizer cannot be loaded ({str(e).splitlines()[0]}); "
             f"pass a working one with --tokenizer (e.g. the tokenizer/ of the data directory the model was trained on)"
         ) from None
+
+
+def load_model(cfg: Config, device: torch.device, ckpt: run_model.RunCheckpoint | None):
+    """The model, its tokenizer and the token the first scored token is conditioned on. A checkpoint's model is built
+    from its ZeRO-3 shards in memory (run_model); any other --model is loaded by from_pretrained."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = model_dtype(cfg, device)
+    if ckpt is None:
+        check_model_files("--model", cfg.model)
+    tokenizer = load_tokenizer(cfg, ckpt)
     # Missing, unexpected and mismatched tensors are refused below in one line, so transformers' table of them (its
     # "LOAD REPORT" warning) is noise before it, and a mismatch is not raised as its traceback.
     modeling_log = logging.getLogger("transformers.modeling_utils")
     modeling_log.addFilter(no_load_report)
     try:
-        model, loading = AutoModelForCausalLM.from_pretrained(
-            cfg.model, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True
-        )
+        if ckpt is not None:
+            model, loading = run_model.consolidated_model(ckpt, dtype)
+        else:
+            model, loading = AutoModelForCausalLM.from_pretrained(
+                cfg.model, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True
+            )
     except (OSError, ValueError, TypeError) as e:
         raise UserError(f"--model {cfg.model}: cannot be loaded ({str(e).splitlines()[0]})") from None
     finally:
@@ -291,14 +334,12 @@ def load_model(cfg: Config, device: torch.device):
     return model.to(device).eval(), tokenizer, prefix
 
 
-def evaluate(cfg: Config) -> dict:
-    from accelerate import PartialState
-
-    # On CPUs the process group must be asked for (cpu=True): without it torchrun's processes each score everything.
-    state = PartialState(cpu=cfg.device == "cpu" or not torch.cuda.is_available())
+def score_perplexity(cfg: Config, state, loaded: tuple, documents: tuple) -> dict:
+    """The perplexity report of the documents (load_documents' triple) under the model (load_model's triple), the
+    documents split over the processes."""
+    model, tokenizer, prefix = loaded
+    docs, texts, transform = documents
     device = torch.device(cfg.device) if cfg.device else state.device
-    docs, texts, transform = load_documents(cfg)
-    model, tokenizer, prefix = load_model(cfg, device)
     context = model.config.max_position_embeddings
     max_length = cfg.max_length or context
     stride = cfg.stride or max_length
@@ -306,8 +347,6 @@ def evaluate(cfg: Config) -> dict:
         raise UserError(f"--max_length {max_length} exceeds the model's context of {context} tokens; lower it")
     if not 1 <= stride <= max_length:
         raise UserError(f"--stride {stride} must be between 1 and --max_length {max_length}")
-    if cfg.batch_size < 1:
-        raise UserError(f"--batch_size {cfg.batch_size} must be at least 1")
 
     t0 = time.perf_counter()
     with state.split_between_processes(texts) as my_texts:
@@ -326,17 +365,60 @@ def evaluate(cfg: Config) -> dict:
         len(docs),
     )
     report.update(
-        model=cfg.model,
         dataset=cfg.dataset,
         split=cfg.split,
         text_transform=transform,
         max_length=max_length,
         stride=stride,
-        dtype=str(model.dtype).replace("torch.", ""),
-        processes=state.num_processes,
         seconds=seconds,
         tokens_per_s=report["tokens"] / seconds,
     )
+    return report
+
+
+def task_settings(cfg: Config, num_processes: int) -> harness_tasks.TaskSettings | None:
+    if not cfg.tasks:
+        if cfg.include_path or cfg.num_fewshot != -1 or cfg.limit:
+            raise UserError("--include_path, --num_fewshot and --limit choose how --tasks run; name the tasks too")
+        return None
+    if num_processes > 1:
+        raise UserError(
+            f"--tasks runs in one process, this launch has {num_processes} (the harness's HF model class splits "
+            "work over processes only for a model it loads itself); run eval.py with python, not torchrun or "
+            "accelerate launch"
+        )
+    if cfg.num_fewshot < -1 or cfg.limit < 0:
+        raise UserError(f"--num_fewshot {cfg.num_fewshot} and --limit {cfg.limit} must not be negative")
+    return harness_tasks.TaskSettings(
+        harness_tasks.task_names(cfg.tasks), cfg.include_path, cfg.num_fewshot, cfg.limit, cfg.batch_size
+    )
+
+
+def evaluate(cfg: Config) -> dict:
+    """The report: perplexity on --dataset and/or the harness's --tasks, of the model --model names. Everything that
+    can be refused (flags, documents, task names and their datasets, a checkpoint) is, before the model is built."""
+    from accelerate import PartialState
+
+    # On CPUs the process group must be asked for (cpu=True): without it torchrun's processes each score everything.
+    state = PartialState(cpu=cfg.device == "cpu" or not torch.cuda.is_available())
+    device = torch.device(cfg.device) if cfg.device else state.device
+    if cfg.batch_size < 1:
+        raise UserError(f"--batch_size {cfg.batch_size} must be at least 1")
+    settings = task_settings(cfg, state.num_processes)
+    cfg = dataclasses.replace(cfg, dataset=cfg.dataset or ("" if settings else "wikitext-2"))
+    ckpt = run_model.find_checkpoint(cfg.model)
+    docs = load_documents(cfg) if cfg.dataset else None
+    tasks = harness_tasks.load_tasks(settings) if settings else None
+    model, tokenizer, prefix = load_model(cfg, device, ckpt)
+    report = {"model": cfg.model}
+    if ckpt is not None:
+        report.update(checkpoint=str(ckpt.path), step=ckpt.step)
+    if docs is not None:
+        report.update(score_perplexity(cfg, state, (model, tokenizer, prefix), docs))
+    if settings is not None:
+        results = harness_tasks.run_tasks(model, tokenizer, settings, tasks)
+        report.update(harness_tasks.task_report(results, settings))
+    report.update(dtype=str(model.dtype).replace("torch.", ""), processes=state.num_processes)
     return report
 
 
@@ -358,6 +440,25 @@ def check_output_path(name: str) -> None:
         ) from None
 
 
+def print_report(report: dict) -> None:
+    processes = f"{report['processes']} process{'es' if report['processes'] > 1 else ''}"
+    model = f"{report['checkpoint']} (step {report['step']})" if "checkpoint" in report else report["model"]
+    if "nll" in report:
+        print(
+            f"{model} on {report['dataset']} [{report['split']}], text transform: {report['text_transform']}, "
+            f"max_length {report['max_length']}, stride {report['stride']}, {report['dtype']}, {processes}"
+        )
+        for key in ("documents", "tokens", "words", "bytes"):
+            print(f"  {key:<17}{report[key]:>14,}")
+        for key in ("nll", "token_perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte"):
+            print(f"  {key:<17}{report[key]:>14.4f}")
+        print(f"  {report['tokens_per_s']:,.0f} tokens/s ({report['seconds']:.1f}s)")
+    if "tasks" in report:
+        batch_size = report["task_settings"]["batch_size"]
+        print(f"{model}, lm-evaluation-harness tasks, {report['dtype']}, batch size {batch_size}, {processes}")
+        print(harness_tasks.results_table(report))
+
+
 def main(argv: list[str] | None = None) -> int:
     from accelerate import PartialState
     from transformers import HfArgumentParser
@@ -376,17 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not PartialState().is_main_process:
         return 0
-    print(
-        f"{cfg.model} on {cfg.dataset} [{cfg.split}], text transform: {report['text_transform']}, max_length "
-        f"{report['max_length']}, "
-        f"stride {report['stride']}, {report['dtype']}, {report['processes']} "
-        f"process{'es' if report['processes'] > 1 else ''}"
-    )
-    for key in ("documents", "tokens", "words", "bytes"):
-        print(f"  {key:<17}{report[key]:>14,}")
-    for key in ("nll", "token_perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte"):
-        print(f"  {key:<17}{report[key]:>14.4f}")
-    print(f"  {report['tokens_per_s']:,.0f} tokens/s ({report['seconds']:.1f}s)")
+    print_report(report)
     if cfg.output_json:
         path = Path(cfg.output_json)
         path.parent.mkdir(parents=True, exist_ok=True)

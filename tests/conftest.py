@@ -158,6 +158,27 @@ def trained(docs_data, tmp_path_factory) -> Path:
     return out
 
 
+# DeepSeek-V3 tiny (MLA + DeepSeekMoE) runs: see tests/test_moe.py for the choice of the bias speed.
+STEPS = 24
+HALF = 12
+MOE = ["--model_config", "deepseek-v3-tiny", "--seq_len", "32", "--log_every", "1", "--eval_every", "0",
+       "--eval_tokens", "2048", "--warmup_steps", "2", "--lr", "3e-3", "--moe_bias_update_speed", "0.003"]  # fmt: skip
+
+
+def train_moe(nproc: int, out, data, *extra, micro_batch_size=None):
+    micro = micro_batch_size or 6 // nproc
+    return launch(nproc, *MOE, "--micro_batch_size", micro, "--data_dir", data, "--output_dir", out, *extra)
+
+
+@pytest.fixture(scope="session")
+def moe_ref(docs_data, tmp_path_factory):
+    """The DeepSeek-V3 tiny reference run: 3 ZeRO-3 processes x micro-batch 2, 24 steps, checkpoints at steps 12 and
+    24, final/ exported; returns (OUT, the launch's CompletedProcess)."""
+    out = tmp_path_factory.mktemp("moe") / "ref"
+    proc = train_moe(3, out, docs_data, "--max_steps", STEPS, "--save_every", HALF)
+    return out, proc
+
+
 def reloaded_model(final_dir, data_dir) -> dict:
     """OUT/final in a fresh process, as a user loads it: its class, its mean loss on the first 2048 validation tokens in
     32-token windows (what train.py's runs here log as val_loss), and the length of a greedy 4-token continuation."""

@@ -12,33 +12,16 @@ import sys
 
 import pytest
 import torch
-from conftest import launch, metrics, reloaded_model, run, train_records
+from conftest import HALF, STEPS, metrics, reloaded_model, run, train_moe, train_records
 
 import models
 import plan
-
-STEPS = 24
-HALF = 12
-MOE = ["--model_config", "deepseek-v3-tiny", "--seq_len", "32", "--log_every", "1", "--eval_every", "0",
-       "--eval_tokens", "2048", "--warmup_steps", "2", "--lr", "3e-3", "--moe_bias_update_speed", "0.003"]  # fmt: skip
 
 
 def biases(out_dir, name="final/model.safetensors") -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return {k: v for k, v in load_file(out_dir / name).items() if k.endswith("e_score_correction_bias")}
-
-
-def train_moe(nproc: int, out, data, *extra, micro_batch_size=None):
-    micro = micro_batch_size or 6 // nproc
-    return launch(nproc, *MOE, "--micro_batch_size", micro, "--data_dir", data, "--output_dir", out, *extra)
-
-
-@pytest.fixture(scope="module")
-def moe_ref(docs_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("moe") / "ref"
-    proc = train_moe(3, out, docs_data, "--max_steps", STEPS, "--save_every", HALF)
-    return out, proc
 
 
 def test_planner_counts_equal_the_built_models():
