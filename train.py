@@ -30,7 +30,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 import checkpoint
 import cli
@@ -40,7 +39,7 @@ import moe
 import plan
 import token_data
 from cli import UserError, field
-from lmloss import validation_loss
+from lmloss import DEFAULT_CHUNK_TOKENS, loss_path, model_nll, validation_loss
 
 # DeepSpeed calls collectives that torch renamed; the warning repeats every step and says nothing to a user.
 warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
@@ -88,6 +87,7 @@ class Config:
     eval_at_start: bool = field(True, "validation loss of the initial weights at step 0 (--no_eval_at_start skips "
                                       "it)")
     log_with: str = field("", "extra tracker for accelerate, e.g. tensorboard")
+    loss_chunk_tokens: int = field(DEFAULT_CHUNK_TOKENS, "tokens per chunk of output layer + loss (0: all logits)")
     gradient_checkpointing: bool = field(False, "recompute activations in backward (less memory, ~30%% more compute)")
     attn_implementation: str = field("sdpa", "attention kernel: sdpa or eager")
     moe_bias_update_speed: float = field(0.001, "MoE models (deepseek-v3-*): how far each router's per-expert bias "
@@ -160,9 +160,9 @@ def get_batch(data: token_data.TrainingData, ids: range, seq_len: int, seed: int
     return batch[:, :-1], batch[:, 1:]
 
 
-def lm_loss(model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = model(input_ids=inputs, use_cache=False).logits
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+def lm_loss(model, inputs: torch.Tensor, targets: torch.Tensor, cfg: Config) -> torch.Tensor:
+    nll, n = model_nll(model, inputs, targets, cfg.loss_chunk_tokens)  # never all logits at once: lmloss.py
+    return (nll / n).float()
 
 
 def backward(accelerator, loss: torch.Tensor, step: int) -> None:
@@ -235,7 +235,7 @@ def check_flags(cfg: Config) -> None:
         if getattr(cfg, name) < 1:
             raise UserError(f"--{name} {getattr(cfg, name)} must be at least 1")
     never_negative = ("max_steps", "warmup_steps", "lr_decay_steps", "eval_every", "save_every", "eval_tokens",
-                      "moe_bias_update_speed", "moe_aux_loss_alpha")  # fmt: skip
+                      "moe_bias_update_speed", "moe_aux_loss_alpha", "loss_chunk_tokens")  # fmt: skip
     for name in never_negative:
         if getattr(cfg, name) < 0:
             raise UserError(f"--{name} {getattr(cfg, name)} must not be negative")
@@ -420,6 +420,7 @@ def setup(cfg: Config, given: set[str]) -> tuple[Run, Parts]:
     accelerator.print(
         f"model: {n_params / 1e6:.2f}M parameters ({counts['non_embedding'] / 1e6:.2f}M non-embedding{activated}), "
         f"{run.flops_per_token / 1e6:.1f} MFLOP/token; peak {peak_flops / 1e12:.2f} TFLOP/s ({peak_source})"
+        f"; loss: {loss_path(cfg.loss_chunk_tokens, accelerator.device)}"
     )
     parts = Parts(accelerator, model, optimizer, balancer, peak_flops, finaliser)
     if run.resume is not None:
@@ -454,7 +455,9 @@ def train(cfg: Config, given: set[str]) -> int:
             accelerator.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
 
     def validate_at(step: int) -> None:
-        val = validation_loss(model, accelerator, run.data.val_tokens, cfg.seq_len, cfg.micro_batch_size)
+        val = validation_loss(
+            model, accelerator, run.data.val_tokens, cfg.seq_len, cfg.micro_batch_size, cfg.loss_chunk_tokens
+        )
         log(
             {"step": step, "tokens": step * run.batch.tokens_per_step, "val_loss": val, "val_ppl": math.exp(val)},
             f"step {step} | val loss {val:.4f} | val ppl {math.exp(val):.2f}",
@@ -481,7 +484,7 @@ def train(cfg: Config, given: set[str]) -> int:
             inputs, targets = get_batch(run.data, sample_ids(step, micro_step, rank, run.batch), cfg.seq_len, cfg.seed)
             with accelerator.accumulate(model):
                 with balancer.collecting() if balancer else contextlib.nullcontext():
-                    loss = lm_loss(model, inputs.to(accelerator.device), targets.to(accelerator.device))
+                    loss = lm_loss(model, inputs.to(accelerator.device), targets.to(accelerator.device), cfg)
                 if cli.fault("nan_loss", rank, step + 1):
                     loss = loss * float("nan")
                 aux_loss = balancer.aux_loss() if balancer else None
