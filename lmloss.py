@@ -15,8 +15,8 @@ import cli
 import token_data
 
 # Tokens per chunk of the output layer + cross-entropy (train.py's --loss_chunk_tokens default, eval.py's windows).
-# Measured in BENCHMARKS.md (loss_memory): a chunk's fp32 logits are chunk x vocab x 4 bytes (2048 x 102,400: 0.8 GB).
-DEFAULT_CHUNK_TOKENS = 2048
+# Measured in BENCHMARKS.md (loss_memory): a chunk's fp32 logits are chunk x vocab x 4 bytes (1024 x 102,400: 0.4 GB).
+DEFAULT_CHUNK_TOKENS = 1024
 # Whether a model's logits are its output layer's result, unchanged (checked on its first call to model_nll).
 _plain: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -144,10 +144,11 @@ class ChunkedLinearNLL(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float64, device=hidden.device)
         for start in range(0, len(hidden), chunk_tokens):
             rows = slice(start, start + chunk_tokens)
-            logits = (hidden[rows] @ weight.T).float()
-            lse[rows] = torch.logsumexp(logits, dim=-1)
             t = targets[rows]
+            logits = (hidden[rows] @ weight.T).float()
             picked = logits.gather(1, t.clamp(min=0)[:, None])[:, 0]
+            top = logits.amax(dim=-1)  # log-sum-exp in place: one chunk-sized buffer, not two
+            lse[rows] = logits.sub_(top[:, None]).exp_().sum(dim=-1).log_().add_(top)
             total += torch.where(t != -100, lse[rows] - picked, 0.0).sum(dtype=torch.float64)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.chunk_tokens = chunk_tokens
