@@ -41,6 +41,7 @@ RESUME_CHANGEABLE = {
     "log_with",
     "gradient_checkpointing",
     "attn_implementation",
+    "loss_chunk_tokens",
 }
 # The LR schedule's length; changing it on resume needs an explicit --lr_decay_steps (schedule_on_resume).
 SCHEDULE_LENGTH = {"max_steps", "num_epochs", "lr_decay_steps"}

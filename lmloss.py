@@ -1,8 +1,11 @@
-"""The next-token loss arithmetic train.py and eval.py share: summed NLL over scored targets, rolling windows over a
-document and their batched scoring (eval.py), and the validation loss of a ZeRO-3 model over windows of a token
-file, split over all processes (train.py)."""
+"""The next-token loss arithmetic train.py and eval.py share: summed NLL over scored targets, the loss of a model's
+forward with its output layer taken a chunk of tokens at a time (model_nll: training, validation and scoring), rolling
+windows over a document and their batched scoring (eval.py), and the validation loss of a ZeRO-3 model over windows of
+a token file, split over all processes (train.py)."""
 
 from __future__ import annotations
+
+import weakref
 
 import numpy as np
 import torch
@@ -10,6 +13,12 @@ import torch.nn.functional as F
 
 import cli
 import token_data
+
+# Tokens per chunk of the output layer + cross-entropy (train.py's --loss_chunk_tokens default, eval.py's windows).
+# Measured in BENCHMARKS.md (loss_memory): a chunk's fp32 logits are chunk x vocab x 4 bytes (1024 x 102,400: 0.4 GB).
+DEFAULT_CHUNK_TOKENS = 1024
+# Whether a model's logits are its output layer's result, unchanged (checked on its first call to model_nll).
+_plain: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def nll_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -19,7 +28,14 @@ def nll_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 @torch.no_grad()
-def validation_loss(model, accelerator, tokens: np.ndarray, seq_len: int, micro_batch_size: int) -> float:
+def validation_loss(
+    model,
+    accelerator,
+    tokens: np.ndarray,
+    seq_len: int,
+    micro_batch_size: int,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> float:
     """Mean next-token loss over non-overlapping windows of the validation tokens, split over all processes.
 
     Every process runs the same number of forward passes (ZeRO-3 gathers parameters collectively); a process with
@@ -38,8 +54,8 @@ def validation_loss(model, accelerator, tokens: np.ndarray, seq_len: int, micro_
         )
         targets = rows[:, 1:].clone()
         targets[[i for i, w in enumerate(chunk) if w is None]] = -100
-        logits = model(input_ids=rows[:, :-1].to(accelerator.device), use_cache=False).logits
-        total += torch.stack(nll_sum(logits, targets.to(accelerator.device)))
+        nll, n = model_nll(model, rows[:, :-1].to(accelerator.device), targets.to(accelerator.device), chunk_tokens)
+        total += torch.stack([nll, n])
     total = accelerator.reduce(total, "sum")
     model.train()
     if not trained_trace:  # a trace recorded by training already covers these forwards; one recorded here does not
@@ -109,28 +125,126 @@ def make_windows(
     return out
 
 
-def separable_head(model, device: torch.device):
-    """The model's output layer when its logits are exactly output_layer(base_model(ids).last_hidden_state), checked on
-    a probe input; else None (e.g. a model that caps or scales its logits). With it the loss is taken one window at a
-    time, so a batch's logits (windows x tokens x vocabulary) never sit in memory at once."""
-    head = model.get_output_embeddings()
-    if head is None or model.base_model is model:
+# ---------------------------------------------------------------------------------------------------------------------
+# The loss over the output layer, a chunk of tokens at a time
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class ChunkedLinearNLL(torch.autograd.Function):
+    """Summed NLL of `targets` (-100: not scored) under softmax(hidden @ weight.T), `chunk_tokens` rows at a time.
+
+    A chunk's logits are computed in the weight's dtype, as the output layer computes them, and the softmax in fp32.
+    Forward keeps only each row's log-sum-exp; backward recomputes each chunk's logits, so the [tokens, vocabulary]
+    logits, their fp32 copy and their gradient never exist whole. The weight's gradient is accumulated in fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_tokens: int):
+        lse = torch.empty(len(hidden), dtype=torch.float32, device=hidden.device)
+        total = torch.zeros((), dtype=torch.float64, device=hidden.device)
+        for start in range(0, len(hidden), chunk_tokens):
+            rows = slice(start, start + chunk_tokens)
+            t = targets[rows]
+            logits = (hidden[rows] @ weight.T).float()
+            picked = logits.gather(1, t.clamp(min=0)[:, None])[:, 0]
+            top = logits.amax(dim=-1)  # log-sum-exp in place: one chunk-sized buffer, not two
+            lse[rows] = logits.sub_(top[:, None]).exp_().sum(dim=-1).log_().add_(top)
+            total += torch.where(t != -100, lse[rows] - picked, 0.0).sum(dtype=torch.float64)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.chunk_tokens = chunk_tokens
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for start in range(0, len(hidden), ctx.chunk_tokens):
+            rows = slice(start, start + ctx.chunk_tokens)
+            t = targets[rows]
+            # d NLL / d logits = softmax - one_hot(target), for scored rows only
+            grad = (hidden[rows] @ weight.T).float().sub_(lse[rows, None]).exp_()
+            grad[torch.arange(len(t), device=t.device), t.clamp(min=0)] -= 1.0
+            grad.mul_(torch.where(t != -100, grad_total.float(), 0.0)[:, None])
+            grad = grad.to(hidden.dtype)
+            if grad_hidden is not None:
+                grad_hidden[rows] = grad @ weight
+            if ctx.needs_input_grad[1] and grad.dtype == torch.float32:
+                grad_weight.addmm_(grad.T, hidden[rows])
+            elif ctx.needs_input_grad[1]:
+                grad_weight += (grad.T @ hidden[rows]).float()
+        return grad_hidden, grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None, None, None
+
+
+def loss_path(chunk_tokens: int, device: torch.device) -> str:
+    """The loss path model_nll takes, in words, for the startup line."""
+    if chunk_tokens == 0:
+        return "full logits (--loss_chunk_tokens 0)"
+    if _liger_loss(device) is not None:
+        return "Liger Kernel's fused linear cross-entropy"
+    return f"output layer + cross-entropy in chunks of {chunk_tokens} tokens, logits recomputed in backward"
+
+
+def _liger_loss(device: torch.device):
+    """Liger Kernel's fused linear cross-entropy (summed), on a GPU where liger-kernel is installed; else None."""
+    if device.type != "cuda":
         return None
-    probe = (torch.arange(8, device=device) % model.config.vocab_size)[None]
     try:
-        split = head(model.base_model(input_ids=probe, use_cache=False).last_hidden_state)
-    except (TypeError, ValueError, AttributeError):
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
         return None
-    return head if torch.equal(split, model(input_ids=probe, use_cache=False).logits) else None
+    return LigerFusedLinearCrossEntropyLoss(ignore_index=-100, reduction="sum")
 
 
-def batch_nll(model, head, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """nll_sum of a batch of windows; with a separable head, window by window over the last hidden states."""
-    if head is None:
-        return nll_sum(model(input_ids=inputs, use_cache=False).logits, targets)
-    hidden = model.base_model(input_ids=inputs, use_cache=False).last_hidden_state
-    parts = [nll_sum(head(h[None]), t[None]) for h, t in zip(hidden, targets)]
-    return torch.stack([p[0] for p in parts]).sum(), torch.stack([p[1] for p in parts]).sum()
+def model_nll(
+    model, inputs: torch.Tensor, targets: torch.Tensor, chunk_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """nll_sum of a causal LM's next-token predictions (targets of -100 are not scored).
+
+    With chunk_tokens > 0 the model runs its own forward (ZeRO-3's hooks gather the output weight once, as for its
+    logits, and once again in backward), but its output layer, while called, returns the summed NLL of its hidden
+    states taken chunk by chunk (ChunkedLinearNLL; Liger's fused kernel on a GPU where installed) instead of logits.
+    That is the loss only if the model returns what its output layer returned as its logits, unchanged: checked on a
+    model's first call (ZeRO-3 hands back a copy, so by value). A model that caps, scales or reshapes its logits, or
+    whose output layer has a bias, is named once and takes the full logits path.
+    """
+    from accelerate.utils import extract_model_from_parallel
+
+    core = extract_model_from_parallel(model)
+    head = core.get_output_embeddings() if chunk_tokens else None
+    if isinstance(head, torch.nn.Linear) and head.bias is None and _plain.get(core, True):
+        flat_targets, liger = targets.reshape(-1), _liger_loss(inputs.device)
+
+        def loss_forward(hidden: torch.Tensor) -> torch.Tensor:
+            hidden = hidden.reshape(-1, hidden.shape[-1])
+            if liger is not None:
+                return liger(head.weight, hidden, flat_targets).double()
+            return ChunkedLinearNLL.apply(hidden, head.weight, flat_targets, chunk_tokens)
+
+        returned = []
+        head.forward = loss_forward
+        hook = head.register_forward_hook(lambda module, args, output: returned.append(output))
+        try:
+            logits = model(input_ids=inputs, use_cache=False).logits
+        except (RuntimeError, IndexError):  # a model that reshapes or slices its logits
+            if core in _plain:
+                raise
+            logits = None
+        finally:
+            del head.forward
+            hook.remove()
+        if core in _plain or (len(returned) == 1 and logits is not None and torch.equal(logits, returned[0])):
+            _plain[core] = True
+            return logits, (targets != -100).sum().double()
+        _plain[core] = False
+        _print_once(f"note: {type(core).__name__} changes its output layer's logits; the loss takes them whole")
+    return nll_sum(model(input_ids=inputs, use_cache=False).logits, targets)
+
+
+def _print_once(line: str) -> None:
+    """Print on the first process only (every process takes the same path)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(line, flush=True)
 
 
 @torch.inference_mode()
@@ -139,7 +253,6 @@ def score_windows(
 ) -> tuple[float, int]:
     """Total NLL and scored-token count over windows, batched by length. Padding goes on the right, where a causal
     model's earlier positions cannot see it, and its targets are -100."""
-    head = separable_head(model, device)
     order = sorted(range(len(windows)), key=lambda i: -len(windows[i][0]))
     total_nll = torch.zeros((), dtype=torch.float64, device=device)
     total_n = torch.zeros((), dtype=torch.float64, device=device)
@@ -150,7 +263,7 @@ def score_windows(
         width = len(batch[0][0])
         inputs = torch.tensor([w[0] + [pad_id] * (width - len(w[0])) for w in batch], device=device)
         targets = torch.tensor([w[1] + [-100] * (width - len(w[1])) for w in batch], device=device)
-        nll, n = batch_nll(model, head, inputs, targets)
+        nll, n = model_nll(model, inputs, targets, DEFAULT_CHUNK_TOKENS)
         total_nll += nll
         total_n += n
     return total_nll, total_n

@@ -33,6 +33,8 @@ GPU_PEAK_FLOPS = {
     "L40S": 362e12,
 }
 GIB = 2**30
+# The share of a GPU's memory a plan may fill: the CUDA context, allocator fragmentation and buffers take the rest.
+FIT_FRACTION = 0.95
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -360,6 +362,7 @@ def memory_plan(
     offload_params: bool,
     gradient_checkpointing: bool,
     attn: str,
+    loss_chunk_tokens: int = 0,
 ) -> dict:
     """Bytes per GPU (and host) for one training process, by component.
 
@@ -371,8 +374,7 @@ def memory_plan(
     Korthikanti et al. 2022 redone for RMSNorm, RoPE and SwiGLU, no dropout): two norm inputs (2h), attention input,
     q, k, v, rotated q and k, attention output (4h + 3 kv), MLP input, gate, up, SiLU and product (h + 4 ffn), plus
     2 a s for eager attention's score matrices; MLA and MoE layers as activations_per_token says. Checkpointing
-    keeps each layer's input and recomputes one layer at a time. The loss keeps the logits, an fp32 copy and its
-    gradient.
+    keeps each layer's input and recomputes one layer at a time. The loss: loss_bytes (the whole logits, or one chunk).
     """
     counts = param_counts(c)
     p, n = counts["total"], world_size
@@ -383,14 +385,15 @@ def memory_plan(
     per_layer = [s * b * values * act_b for values in activations_per_token(c, s, attn)]
     acts_full = sum(per_layer)
     acts_ckpt = len(per_layer) * s * b * h * act_b + max(per_layer)
-    logits = s * b * v * (act_b + 4 + 4)
+    loss = loss_bytes(s * b, v, h, act_b, loss_chunk_tokens)
     gpu = {
         "parameters": 0 if offload_params else param_b * p / n,
         "gradients": grad_b * p / n,
         "optimizer_states": 0 if offload_optimizer else optim_b * p / n,
         "gathered_largest_tensor": param_b * counts["largest_tensor"],
         "optimizer_step_temporaries": 0 if offload_optimizer else 4 * p / n,
-        "activations": (acts_ckpt if gradient_checkpointing else acts_full) + logits,
+        "activations": acts_ckpt if gradient_checkpointing else acts_full,
+        "loss": loss,
     }
     # Offloaded optimizer: fp32 master weights, Adam states and fp32 gradients live in host RAM.
     host = ((optim_b + 4) * p / n if offload_optimizer else 0) + (param_b * p / n if offload_params else 0)
@@ -398,10 +401,22 @@ def memory_plan(
         "gpu": gpu,
         "gpu_total": sum(gpu.values()),
         "host_per_process": host,
-        "activations_without_checkpointing": acts_full + logits,
-        "activations_with_checkpointing": acts_ckpt + logits,
+        "activations_without_checkpointing": acts_full,
+        "activations_with_checkpointing": acts_ckpt,
         "params": counts,
     }
+
+
+def loss_bytes(tokens: int, vocab: int, hidden: int, act_b: int, chunk_tokens: int) -> int:
+    """Peak bytes of the loss over the output layer in a micro-step of `tokens` tokens (lmloss.model_nll).
+
+    Full logits (chunk_tokens 0): the logits in the activations' dtype, their fp32 log-softmax and its fp32 gradient.
+    In chunks: one chunk's fp32 logits (beside its 16-bit matmul result in mixed precision), recomputed in backward,
+    plus the fp32 accumulator of the output weight's gradient and one fp32 log-sum-exp per token."""
+    if chunk_tokens == 0:
+        return tokens * vocab * (act_b + 4 + 4)
+    rows = min(chunk_tokens, tokens)
+    return rows * vocab * (4 + (act_b if act_b < 4 else 0)) + vocab * hidden * 4 + tokens * 4
 
 
 def deepspeed_estimate(
@@ -448,34 +463,51 @@ def step_time_plan(
     return {"compute_s": compute_s, "comm_s": comm_s, "step_s": step_s, "tokens_per_s": tokens_per_step / step_s}
 
 
-def plan_report(cfg, model_config, launch: Launch, batch: BatchPlan, flops_tok: float, gpu_memory_gib: float,
-                peak_flops_per_device: float, steps: int) -> tuple[list[str], bool]:  # fmt: skip
-    """The memory and time plan as printable lines, and whether the model states + activations fit the devices.
-    cfg is train.py's Config (micro batch, sequence length, checkpointing, attention, assumed MFU and bandwidth);
-    flops_tok is model_flops_per_token of the model at that sequence length."""
-    world, nodes = launch.world_size, launch.nodes
+def run_memory(cfg, model_config, launch: Launch, micro_batch_size: int, loss_chunk_tokens: int) -> dict:
+    """memory_plan for train.py's Config (cfg) on this launch at a micro-batch and loss path, with DeepSpeed's estimate
+    of the model states (ds_gpu, ds_host) and `need`, the bytes per GPU a fit is judged on."""
     mem = memory_plan(
         model_config,
-        world,
-        cfg.micro_batch_size,
+        launch.world_size,
+        micro_batch_size,
         cfg.seq_len,
         launch.precision,
         launch.offload_optimizer,
         launch.offload_params,
         cfg.gradient_checkpointing,
         cfg.attn_implementation,
+        loss_chunk_tokens,
     )
-    counts, gpu = mem["params"], mem["gpu"]
+    counts = mem["params"]
     ds_host, ds_gpu = deepspeed_estimate(
         counts["total"],
         counts["largest_tensor"],
-        world // nodes,
-        nodes,
+        launch.world_size // launch.nodes,
+        launch.nodes,
         launch.offload_optimizer,
         launch.offload_params,
     )
-    need = max(mem["gpu_total"], ds_gpu + gpu["activations"])
-    fits = need <= gpu_memory_gib * GIB * 0.95  # the CUDA context, allocator fragmentation and buffers take the rest
+    need = max(mem["gpu_total"], ds_gpu + mem["gpu"]["activations"] + mem["gpu"]["loss"])
+    return {**mem, "ds_host": ds_host, "ds_gpu": ds_gpu, "need": need}
+
+
+def largest_micro_batch(cfg, model_config, launch: Launch, gpu_memory_gib: float, loss_chunk_tokens: int) -> int:
+    """The largest micro-batch (up to 1024) whose plan fits the GPU; 0 when none does."""
+    for b in range(1, 1025):
+        if run_memory(cfg, model_config, launch, b, loss_chunk_tokens)["need"] > gpu_memory_gib * GIB * FIT_FRACTION:
+            return b - 1
+    return 1024
+
+
+def plan_report(cfg, model_config, launch: Launch, batch: BatchPlan, flops_tok: float, gpu_memory_gib: float,
+                peak_flops_per_device: float, steps: int) -> tuple[list[str], bool]:  # fmt: skip
+    """The memory and time plan as printable lines, and whether the model states + activations fit the devices.
+    cfg is train.py's Config (micro batch, sequence length, checkpointing, attention, loss path, assumed MFU and
+    bandwidth); flops_tok is model_flops_per_token of the model at that sequence length."""
+    world, nodes = launch.world_size, launch.nodes
+    mem = run_memory(cfg, model_config, launch, cfg.micro_batch_size, cfg.loss_chunk_tokens)
+    counts, gpu, ds_gpu, ds_host = mem["params"], mem["gpu"], mem["ds_gpu"], mem["ds_host"]
+    fits = mem["need"] <= gpu_memory_gib * GIB * FIT_FRACTION
     t = step_time_plan(
         flops_tok,
         batch.tokens_per_step,
@@ -488,6 +520,8 @@ def plan_report(cfg, model_config, launch: Launch, batch: BatchPlan, flops_tok: 
         cfg.interconnect_gb_s * 1e9,
     )
     where = "device" if launch.gpu else "process"
+    full_loss = run_memory(cfg, model_config, launch, cfg.micro_batch_size, 0)["gpu"]["loss"]
+    loss_path = f"chunks of {cfg.loss_chunk_tokens} tokens; full logits: {full_loss / GIB:.2f}"
     checkpointing = "on" if cfg.gradient_checkpointing else "off"
     lines = [
         f"plan: {counts['total'] / 1e6:,.1f}M parameters ({counts['non_embedding'] / 1e6:,.1f}M non-embedding, "
@@ -500,7 +534,9 @@ def plan_report(cfg, model_config, launch: Launch, batch: BatchPlan, flops_tok: 
         f"{gpu['optimizer_step_temporaries'] / GIB:.2f} + gathered largest tensor "
         f"{gpu['gathered_largest_tensor'] / GIB:.2f} + activations {gpu['activations'] / GIB:.2f} "
         f"(checkpointing {checkpointing}; on: {mem['activations_with_checkpointing'] / GIB:.2f}, "
-        f"off: {mem['activations_without_checkpointing'] / GIB:.2f}) = {mem['gpu_total'] / GIB:.2f} GiB",
+        f"off: {mem['activations_without_checkpointing'] / GIB:.2f}) + loss {gpu['loss'] / GIB:.2f} "
+        f"({loss_path if cfg.loss_chunk_tokens else 'full logits'}) "
+        f"= {mem['gpu_total'] / GIB:.2f} GiB",
         f"  DeepSpeed's ZeRO-3 estimator: {ds_gpu / GIB:.2f} GiB model states per {where}, {ds_host / GIB:.1f} GiB "
         f"host RAM per machine (ours: {mem['host_per_process'] * world / nodes / GIB:.1f} GiB offloaded per machine)",
         f"  step: {batch.tokens_per_step:,} tokens, {t['step_s']:.2f} s ({t['compute_s']:.2f} s compute at "
@@ -510,8 +546,17 @@ def plan_report(cfg, model_config, launch: Launch, batch: BatchPlan, flops_tok: 
     ]
     if launch.gpu:
         lines.append(
-            f"  {'fits' if fits else 'does NOT fit'}: needs {need / GIB:.1f} GiB of {gpu_memory_gib:g} GiB per GPU"
+            f"  {'fits' if fits else 'does NOT fit'}: needs {mem['need'] / GIB:.1f} GiB of {gpu_memory_gib:g} GiB "
+            "per GPU"
         )
+        if cfg.loss_chunk_tokens:
+            largest = [
+                largest_micro_batch(cfg, model_config, launch, gpu_memory_gib, c) for c in (cfg.loss_chunk_tokens, 0)
+            ]
+            lines.append(
+                f"  largest --micro_batch_size that fits: {largest[0]} with the loss in chunks of "
+                f"{cfg.loss_chunk_tokens} tokens, {largest[1]} with the full logits (--loss_chunk_tokens 0)"
+            )
         if not fits:
             advice = (
                 "use accelerate_configs/zero3_offload_3gpu.yaml (optimizer and parameters in CPU RAM)"

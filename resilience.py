@@ -80,10 +80,12 @@ class Skips:
     scaler reports its own skips. `total` counts the whole run (it is saved in trainer_state.json). In bf16/fp32,
     more than `limit` in a row raise Diverged; fp16 goes on until DeepSpeed's loss scale reaches its minimum."""
 
-    def __init__(self, parts, total: int, limit: int, precision: str):
+    def __init__(self, parts, resumed_state: dict | None, limit: int, precision: str):
         self.parts, self.limit, self.precision = parts, limit, precision  # parts: train.py's Parts
         self.engine_seen = parts.engine.skipped_steps if parts.engine is not None else 0
-        self.total, self.in_a_row = total, 0
+        # A resumed run's count: its checkpoint's (one from before trainer_state.json counted them: DeepSpeed's).
+        self.total = resumed_state.get("skipped_steps", self.engine_seen) if resumed_state is not None else 0
+        self.in_a_row = 0
 
     def after_step(self, step: int, skipped_by_loop: bool) -> bool:
         """Whether `step` (just taken) was skipped; says so on the console."""

@@ -30,7 +30,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 import checkpoint
 import cli
@@ -41,8 +40,7 @@ import plan
 import resilience
 import token_data
 from cli import UserError, field
-from lmloss import validation_loss
-from resilience import Diverged
+from lmloss import DEFAULT_CHUNK_TOKENS, loss_path, model_nll, validation_loss
 
 # DeepSpeed calls collectives that torch renamed; the warning repeats every step and says nothing to a user.
 warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
@@ -94,6 +92,7 @@ class Config:
     eval_at_start: bool = field(True, "validation loss of the initial weights at step 0 (--no_eval_at_start skips "
                                       "it)")
     log_with: str = field("", "extra tracker for accelerate, e.g. tensorboard")
+    loss_chunk_tokens: int = field(DEFAULT_CHUNK_TOKENS, "tokens per chunk of output layer + loss (0: all logits)")
     gradient_checkpointing: bool = field(False, "recompute activations in backward (less memory, ~30%% more compute)")
     attn_implementation: str = field("sdpa", "attention kernel: sdpa or eager")
     moe_bias_update_speed: float = field(0.001, "MoE models (deepseek-v3-*): how far each router's per-expert bias "
@@ -162,9 +161,9 @@ def get_batch(data: token_data.TrainingData, ids: range, seq_len: int, seed: int
     return batch[:, :-1], batch[:, 1:]
 
 
-def lm_loss(model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = model(input_ids=inputs, use_cache=False).logits
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+def lm_loss(model, inputs: torch.Tensor, targets: torch.Tensor, cfg: Config) -> torch.Tensor:
+    nll, n = model_nll(model, inputs, targets, cfg.loss_chunk_tokens)  # never all logits at once: lmloss.py
+    return (nll / n).float()
 
 
 def backward(accelerator, loss: torch.Tensor, step: int) -> None:
@@ -173,7 +172,7 @@ def backward(accelerator, loss: torch.Tensor, step: int) -> None:
     except Exception as e:  # DeepSpeed's fp16 scaler raises on every rank at once when it cannot go lower
         if "loss scale already at minimum" not in str(e):
             raise
-        raise Diverged(
+        raise resilience.Diverged(
             f"step {step}: the fp16 loss scale is at its minimum and gradients still overflow; train in bf16 "
             f"(--mixed_precision bf16 at launch), lower --lr, or --resume auto from the last checkpoint"
         ) from None
@@ -234,7 +233,7 @@ def check_flags(cfg: Config) -> None:
         if getattr(cfg, name) < 1:
             raise UserError(f"--{name} {getattr(cfg, name)} must be at least 1")
     never_negative = ("max_steps", "warmup_steps", "lr_decay_steps", "eval_every", "save_every", "eval_tokens",
-                      "moe_bias_update_speed", "moe_aux_loss_alpha")  # fmt: skip
+                      "moe_bias_update_speed", "moe_aux_loss_alpha", "loss_chunk_tokens")  # fmt: skip
     for name in never_negative:
         if getattr(cfg, name) < 0:
             raise UserError(f"--{name} {getattr(cfg, name)} must not be negative")
@@ -416,13 +415,13 @@ def setup(cfg: Config, given: set[str]) -> tuple[Run, Parts]:
     accelerator.print(
         f"model: {n_params / 1e6:.2f}M parameters ({counts['non_embedding'] / 1e6:.2f}M non-embedding{activated}), "
         f"{run.flops_per_token / 1e6:.1f} MFLOP/token; peak {peak_flops / 1e12:.2f} TFLOP/s ({peak_source})"
+        f"; loss: {loss_path(cfg.loss_chunk_tokens, accelerator.device)}"
     )
     parts = Parts(accelerator, model, optimizer, balancer, peak_flops, finaliser)
     if run.resume is not None:
         checkpoint.load_checkpoint(run, parts)
-    skipped = parts.engine.skipped_steps if parts.engine else 0  # a checkpoint from before trainer_state counted them
-    skipped = run.resume.state.get("skipped_steps", skipped) if run.resume is not None else 0
-    parts.skips = resilience.Skips(parts, skipped, cfg.max_skipped_steps, launch.precision)
+    resumed = run.resume.state if run.resume else None
+    parts.skips = resilience.Skips(parts, resumed, cfg.max_skipped_steps, launch.precision)
     checkpoint.start_outputs(run, accelerator, mem_before_model_gib)
     return run, parts
 
@@ -435,8 +434,8 @@ def setup(cfg: Config, given: set[str]) -> tuple[Run, Parts]:
 def train(cfg: Config, given: set[str]) -> int:
     run, parts = setup(cfg, given)
     cfg, accelerator, model, optimizer = run.cfg, parts.accelerator, parts.model, parts.optimizer
-    balancer = parts.balancer
-    out, rank, accum = Path(cfg.output_dir), accelerator.process_index, run.launch.grad_accum_steps
+    balancer, out, rank = parts.balancer, Path(cfg.output_dir), accelerator.process_index
+    accum, chunk = run.launch.grad_accum_steps, cfg.loss_chunk_tokens
     ckpt_root = out / "checkpoints"
 
     def log(record: dict, console: str) -> None:
@@ -447,7 +446,7 @@ def train(cfg: Config, given: set[str]) -> int:
             accelerator.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
 
     def validate_at(step: int) -> None:
-        val = validation_loss(model, accelerator, run.data.val_tokens, cfg.seq_len, cfg.micro_batch_size)
+        val = validation_loss(model, accelerator, run.data.val_tokens, cfg.seq_len, cfg.micro_batch_size, chunk)
         log(
             {"step": step, "tokens": step * run.batch.tokens_per_step, "val_loss": val, "val_ppl": math.exp(val)},
             f"step {step} | val loss {val:.4f} | val ppl {math.exp(val):.2f}",
@@ -478,7 +477,7 @@ def train(cfg: Config, given: set[str]) -> int:
             inputs, targets = get_batch(run.data, sample_ids(step, micro_step, rank, run.batch), cfg.seq_len, cfg.seed)
             with accelerator.accumulate(model):
                 with balancer.collecting() if balancer else contextlib.nullcontext():
-                    loss = lm_loss(model, inputs.to(accelerator.device), targets.to(accelerator.device))
+                    loss = lm_loss(model, inputs.to(accelerator.device), targets.to(accelerator.device), cfg)
                 if cli.fault("nan_loss", rank, step + 1):
                     loss = loss * float("nan")
                 aux_loss = balancer.aux_loss() if balancer else None
@@ -588,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:  # raised by setup, before anything is written; the same on every process
         cli.print_error(str(e))
         return 2
-    except (Diverged, checkpoint.CheckpointWriteError) as e:  # the last complete checkpoint is intact
+    except (resilience.Diverged, checkpoint.CheckpointWriteError) as e:  # the last complete checkpoint is intact
         cli.print_error(str(e))
         return 3
     except OSError as e:  # a full disk, a file size limit, a vanished mount while writing metrics or final/

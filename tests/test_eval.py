@@ -96,13 +96,14 @@ def test_nll_equals_brute_force(small_model, stride, tmp_path):
     assert report["documents"] == len(DOCS)
 
 
-def test_loss_window_by_window_only_where_logits_are_the_output_layers(small_model):
-    """score_windows takes the loss over the last hidden states, window by window, only when that gives the model's
-    own logits; Gemma 2 caps its logits (final_logit_softcapping), so it gets the whole forward pass."""
+def test_loss_over_chunks_only_where_logits_are_the_output_layers(small_model, capsys):
+    """score_windows (and training) take the loss over the output layer a chunk of tokens at a time only when the model
+    returns that layer's result as its logits; Gemma 2 caps its logits (final_logit_softcapping), so it gets the whole
+    logits, named in one note. Either way the NLL is the full logits' NLL."""
     from transformers import AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM
 
     llama = AutoModelForCausalLM.from_pretrained(small_model).eval()
-    assert lmloss.separable_head(llama, torch.device("cpu")) is llama.lm_head
+    torch.manual_seed(0)
     gemma = Gemma2ForCausalLM(
         Gemma2Config(
             vocab_size=512,
@@ -112,10 +113,21 @@ def test_loss_window_by_window_only_where_logits_are_the_output_layers(small_mod
             num_attention_heads=2,
             num_key_value_heads=2,
             head_dim=16,
-            final_logit_softcapping=30.0,
+            final_logit_softcapping=3.0,
         )
     ).eval()
-    assert lmloss.separable_head(gemma, torch.device("cpu")) is None
+    inputs = torch.randint(0, 512, (2, 12))
+    targets = torch.randint(0, 512, (2, 12))
+    targets[1, :4] = -100
+    for model, chunked in ((llama, True), (gemma, False)):
+        with torch.inference_mode():
+            full = lmloss.nll_sum(model(input_ids=inputs).logits, targets)
+            for _ in range(2):
+                nll, n = lmloss.model_nll(model, inputs, targets, chunk_tokens=5)
+                assert float(nll) == pytest.approx(float(full[0]), rel=1e-6) and n == full[1] == 20
+        assert lmloss._plain[model] is chunked
+    notes = [l for l in capsys.readouterr().out.splitlines() if l.startswith("note:")]
+    assert notes == ["note: Gemma2ForCausalLM changes its output layer's logits; the loss takes them whole"]
 
 
 def test_report_is_consistent():

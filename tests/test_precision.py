@@ -91,7 +91,8 @@ def test_stop_and_resume_equals_the_straight_run(runs):
 def test_export_loads_in_its_precision_and_scores_like_the_last_validation(runs, docs_data):
     """OUT/final of a 16-bit run holds 16-bit weights (ZeRO-3 gathers them: stage3_gather_16bit_weights_on_model_save)
     that from_pretrained loads as they are, and whose loss on the validation windows in a fresh process equals the
-    run's last val_loss to 2e-3 relative (16-bit rounding of weights and logits); an fp32 export fails the dtype check."""
+    run's last val_loss to 2e-3 relative (16-bit rounding of weights and logits); an fp32 export fails the dtype
+    check."""
     from safetensors import safe_open
 
     final = runs["dir"] / "three" / "final"
@@ -122,13 +123,13 @@ def test_an_fp16_checkpoint_is_refused_in_bf16(runs):
 @needs("fp16")
 def test_fp16_overflow_skips_halves_the_scale_and_stops_at_the_minimum(docs_data, tmp_path):
     """From step 3 on, rank 0's loss is NaN: DeepSpeed's fp16 scaler skips every step (weights and Adam moments stay
-    those of step 2: two checkpoints after it are equal), keeps the scale on the first overflow (hysteresis 2) and halves it on each one after; at scale 1
-    the run stops with one line of advice (exit 3) and its last checkpoint intact."""
+    those of step 2: two checkpoints after it are equal), keeps the scale on the first overflow (hysteresis 2) and
+    halves it on each one after; at scale 1 the run stops with one line of advice (exit 3), last checkpoint intact."""
     from test_resilience import zero_state
 
     out = tmp_path / "overflow"
-    cmd = launch_cmd(1, *TINY, "--max_steps", "40", "--micro_batch_size", "2", "--save_every", "8", "--no_eval_at_start",
-                     "--data_dir", docs_data, "--output_dir", out)  # fmt: skip
+    args = ["--max_steps", "40", "--micro_batch_size", "2", "--save_every", "8", "--no_eval_at_start"]
+    cmd = launch_cmd(1, *TINY, *args, "--data_dir", docs_data, "--output_dir", out)
     proc = run(
         cmd[:2] + ["--mixed_precision", "fp16"] + cmd[2:], check=False, env={"TRAIN_TEST_FAULT": "nan_loss:0:3-40"}
     )

@@ -56,11 +56,15 @@ def test_three_processes_partition_the_parameters(ref):
     assert len(held) == 3
     assert all(0.30 < h < 0.40 for h in held), held  # each rank about a third, not the whole model
     assert "DEEPSPEED, fp32" in proc.stdout and "2 micro x 1 accumulation x 3 processes = 6 sequences" in proc.stdout
+    assert "; loss: output layer + cross-entropy in chunks of 1024 tokens" in proc.stdout  # the default loss path
 
 
 def test_one_process_same_global_batch_gives_same_losses(ref, docs_data, tmp_path):
+    """... and with the full logits (--loss_chunk_tokens 0) against the reference's chunked loss."""
     out1 = tmp_path / "one"
-    launch(1, *TINY, *STEPS, "--micro_batch_size", "6", "--data_dir", docs_data, "--output_dir", out1)
+    args = ("--micro_batch_size", "6", "--loss_chunk_tokens", "0", "--data_dir", docs_data, "--output_dir", out1)
+    proc = launch(1, *TINY, *STEPS, *args)
+    assert "; loss: full logits (--loss_chunk_tokens 0)" in proc.stdout
     assert_same_losses(ref[0], out1, rel=1e-4)
 
 

@@ -1,0 +1,213 @@
+"""The loss over the output layer in chunks (issue #25): equal to the full logits' loss and gradients (fp32 to 1e-6
+relative, bf16 to what a bf16 matmul allows) on the Llama and DeepSeek-V3 presets, tied and untied, in one process
+and under ZeRO-3 on 1 and 3 processes, where the output weight is gathered once per micro-step however many chunks
+there are; train.py's --loss_chunk_tokens picks the path."""
+
+import json
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import REPO, launch_cmd, run
+
+import lmloss
+import models
+import plan
+import train
+
+VARIANTS = [("tiny", False), ("tiny", True), ("deepseek-v3-tiny", False)]
+
+
+def build(preset: str, tied: bool, vocab: int = 1000, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    c = models.load_model_config(preset, "", 32, {"vocab_size": vocab, "eos_id": 0})
+    c.tie_word_embeddings = tied
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(c, dtype=dtype)
+
+
+def loss_and_grads(model, inputs, targets, chunk_tokens: int):
+    model.zero_grad()
+    nll, n = lmloss.model_nll(model, inputs, targets, chunk_tokens)
+    (nll / n).backward()
+    return float(nll / n), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunks_equal_the_full_cross_entropy(dtype):
+    """Uneven chunks, unscored (-100) targets: loss, d/d hidden and d/d weight as F.cross_entropy over whole logits."""
+    torch.manual_seed(0)
+    hidden = torch.randn(37, 16, dtype=dtype, requires_grad=True)
+    weight = (torch.randn(300, 16) * 0.5).to(dtype).requires_grad_()
+    targets = torch.randint(0, 300, (37,))
+    targets[[0, 5, 36]] = -100
+    full = F.cross_entropy((hidden @ weight.T).float(), targets, reduction="sum")
+    full_grads = torch.autograd.grad(full * 0.7, (hidden, weight))
+    nll = lmloss.ChunkedLinearNLL.apply(hidden, weight, targets, 8)
+    grads = torch.autograd.grad(nll * 0.7, (hidden, weight))
+    tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16 keeps 8 bits of mantissa: 2^-8 = 4e-3 per rounding
+    assert abs(float(nll) - float(full)) / float(full) < tol
+    assert all(g.dtype == dtype and relative(g, f) < tol for g, f in zip(grads, full_grads))
+
+
+@pytest.mark.parametrize("preset,tied", VARIANTS)
+def test_model_loss_and_gradients_equal_the_full_path(preset, tied):
+    model = build(preset, tied)
+    g = torch.Generator().manual_seed(1)
+    inputs, targets = torch.randint(0, 1000, (3, 32), generator=g), torch.randint(0, 1000, (3, 32), generator=g)
+    full_loss, full_grads = loss_and_grads(model, inputs, targets, 0)
+    for chunk in (7, 96, 2048):  # many uneven chunks, one chunk exactly, one larger than the batch
+        loss, grads = loss_and_grads(model, inputs, targets, chunk)
+        assert abs(loss - full_loss) / full_loss < 1e-6, chunk
+        worst = max(relative(grads[k], full_grads[k]) for k in full_grads)
+        assert worst < 1e-6, (chunk, worst)
+    assert lmloss._plain[model] is True  # the chunked path ran
+
+
+def test_bf16_model_within_bf16_tolerance():
+    model = build("deepseek-v3-tiny", False, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    inputs, targets = torch.randint(0, 1000, (3, 32), generator=g), torch.randint(0, 1000, (3, 32), generator=g)
+    full_loss, full_grads = loss_and_grads(model, inputs, targets, 0)
+    loss, grads = loss_and_grads(model, inputs, targets, 7)
+    assert abs(loss - full_loss) / full_loss < 4e-3
+    assert max(relative(grads[k], full_grads[k]) for k in full_grads) < 3e-2
+
+
+def test_train_lm_loss_takes_the_path_its_flag_names(monkeypatch):
+    calls = []
+    apply = lmloss.ChunkedLinearNLL.apply
+    monkeypatch.setattr(lmloss.ChunkedLinearNLL, "apply", lambda *a: calls.append(a[3]) or apply(*a))
+    model = build("tiny", False)
+    inputs, targets = torch.randint(0, 1000, (2, 32)), torch.randint(0, 1000, (2, 32))
+    full = train.lm_loss(model, inputs, targets, train.Config(loss_chunk_tokens=0))
+    chunked = train.lm_loss(model, inputs, targets, train.Config(loss_chunk_tokens=16))
+    assert calls == [16] and float(chunked) == pytest.approx(float(full), rel=1e-6)
+    assert train.Config().loss_chunk_tokens == lmloss.DEFAULT_CHUNK_TOKENS > 0
+    assert "chunks of 16 tokens" in lmloss.loss_path(16, torch.device("cpu"))
+    assert "full logits" in lmloss.loss_path(0, torch.device("cpu"))
+
+
+# Under ZeRO-3 (DeepSpeed engines built here, fp32, each process its own batch): the loss and the full gradients of
+# every parameter, chunked (8 chunks of 8 tokens) against the full logits, and how often the output weight is
+# all-gathered in a micro-step, counted at every ZeRO-3 parameter's gather entry points (the coordinator's, and
+# GatheredParameters'), whichever parameter of a coalesced gather carries it.
+ZERO3 = r"""
+import json, sys
+sys.path.insert(0, {repo!r})
+import torch, deepspeed
+from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from deepspeed.utils import safe_get_full_grad
+from transformers import DeepseekV3ForCausalLM, LlamaForCausalLM  # imported before zero.Init patches construction
+import lmloss
+from test_loss import VARIANTS, build
+
+
+def count_gathers(engine, weight) -> list:
+    count = [0]
+
+    def wrap(gather, key):
+        def counted(*args, **kwargs):
+            params = args[0] if args else kwargs.get(key)
+            if params and any(p is weight for p in params) and weight.ds_status == ZeroParamStatus.NOT_AVAILABLE:
+                count[0] += 1
+            return gather(*args, **kwargs)
+        return counted
+
+    for p in engine.module.parameters():
+        p.all_gather_coalesced = wrap(p.all_gather_coalesced, "params")
+        p.all_gather = wrap(p.all_gather, "param_list")
+    return count
+
+
+acc = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+ds = json.load(open({repo!r} + "/accelerate_configs/zero3_cpu.json"))
+ds.update(train_micro_batch_size_per_gpu=2, train_batch_size=2 * acc.num_processes, gradient_accumulation_steps=1,
+          gradient_clipping=0.0, fp16={{"enabled": False}}, bf16={{"enabled": False}})
+results = {{}}
+for preset, tied in VARIANTS:
+    with deepspeed.zero.Init(config_dict_or_path=ds):
+        model = build(preset, tied)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=ds)
+    gathers = count_gathers(engine, engine.module.get_output_embeddings().weight)
+    g = torch.Generator().manual_seed(acc.process_index)
+    x, y = torch.randint(0, 1000, (2, 32), generator=g), torch.randint(0, 1000, (2, 32), generator=g)
+    out = {{}}
+    # Each path twice: recording DeepSpeed's trace of the micro-step (after it is forgotten), then following it.
+    for chunk, record in ((8, True), (0, True), (0, False), (8, False)):
+        if record:
+            lmloss.forget_zero3_eval_trace(engine)
+        gathers[0] = 0
+        nll, n = lmloss.model_nll(engine, x, y, chunk)
+        loss = (nll / n).float()
+        engine.backward(loss)
+        grads = {{k: safe_get_full_grad(p).clone() for k, p in engine.module.named_parameters()}}
+        engine.optimizer.zero_grad()
+        out.setdefault(chunk, []).append((acc.reduce(loss.detach(), "mean").item(), grads, gathers[0]))
+    full_loss, full_grads, _ = out[0][0]
+    results[preset + ("-tied" if tied else "")] = {{
+        "plain": lmloss._plain[engine.module],
+        "loss_rel": max(abs(loss - full_loss) / full_loss for loss, _, _ in out[8]),
+        "grad_rel": max(((grads[k] - g).norm() / g.norm()).item() for _, grads, _ in out[8]
+                        for k, g in full_grads.items()),
+        "gathers_chunked": [n for _, _, n in out[8]],
+        "gathers_full": [n for _, _, n in out[0]],
+    }}
+acc.print("RESULT " + json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def zero3_results(tmp_path_factory) -> dict[int, dict]:
+    script = tmp_path_factory.mktemp("zero3_loss") / "zero3_loss.py"
+    script.write_text(ZERO3.format(repo=str(REPO)))
+    results = {}
+    for nproc in (1, 3):
+        proc = run(launch_cmd(nproc, script=str(script)), env={"PYTHONPATH": str(REPO / "tests")})
+        results[nproc] = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[7:])
+    return results
+
+
+@pytest.mark.parametrize("nproc", [1, 3])
+def test_zero3_chunked_equals_full_and_gathers_the_head_once(zero3_results, nproc):
+    results = zero3_results[nproc]
+    assert set(results) == {"tiny", "tiny-tied", "deepseek-v3-tiny"}
+    for name, r in results.items():
+        assert r["plain"] is True, name  # the chunked path ran under the DeepSpeed engine
+        assert r["loss_rel"] < 1e-6 and r["grad_rel"] < 1e-6, (name, r)
+        # 8 chunks, and the output weight is gathered as often as for the full logits (per chunk: 8 or 16 times). While
+        # DeepSpeed records its trace: in forward and again in backward (tied: for the embedding too); once it follows
+        # the trace, once (kept for backward: the output layer is the last module of forward and the first of backward).
+        assert r["gathers_chunked"] == r["gathers_full"], (name, r)
+        assert r["gathers_full"] == ([4, 1] if name.endswith("-tied") else [2, 1]), (name, r)
+
+
+def test_planner_counts_the_loss_of_each_path_and_fits_a_larger_micro_batch(monkeypatch):
+    # Full logits in fp32: logits, log-softmax and gradient, 12 bytes a logit; in chunks: one chunk's fp32 logits, the
+    # fp32 output-weight gradient and a log-sum-exp per token, whatever the micro-batch.
+    tokens, vocab, hidden = 512 * 8, 102_400, 64
+    assert plan.loss_bytes(tokens, vocab, hidden, 4, 0) == tokens * vocab * 12
+    assert plan.loss_bytes(tokens, vocab, hidden, 4, 1024) == 1024 * vocab * 4 + vocab * hidden * 4 + tokens * 4
+    assert plan.loss_bytes(tokens, vocab, hidden, 4, 1024) < 0.1 * plan.loss_bytes(tokens, vocab, hidden, 4, 0)
+    monkeypatch.chdir(REPO)
+    launch = plan.read_launch("accelerate_configs/zero3_3gpu.yaml")
+    c = models.load_model_config("deepseek-1.3b", "", 2048, None)
+    batch = plan.BatchPlan(4, launch.grad_accum_steps, launch.world_size, 2048)
+    reports = {}
+    for chunk in (1024, 0):
+        cfg = train.Config(seq_len=2048, micro_batch_size=4, gradient_checkpointing=True, loss_chunk_tokens=chunk)
+        reports[chunk] = "\n".join(plan.plan_report(cfg, c, launch, batch, 1e10, 24.0, 165e12, 0)[0])
+    assert "loss 1.37 (chunks of 1024 tokens; full logits: 7.81)" in reports[1024], reports[1024]
+    assert "loss 7.81 (full logits)" in reports[0], reports[0]
+    largest = re.search(
+        r"fits: (\d+) with the loss in chunks of 1024 tokens, (\d+) with the full logits", reports[1024]
+    )
+    assert largest and int(largest.group(1)) > 2 * int(largest.group(2)) >= 2, reports[1024]
