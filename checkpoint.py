@@ -480,22 +480,22 @@ def start_outputs(run, accelerator, mem_before_model_gib: float) -> None:
     """metrics.jsonl (a resumed run's, cut back to its checkpoint), config.json and the tracker."""
     cfg, out = run.cfg, Path(run.cfg.output_dir)
     if accelerator.is_main_process:
-        if run.resume is not None and (out / "metrics.jsonl").exists():
-            step = run.resume.state["step"]
-            logged = max((r["step"] for r in read_metrics(out / "metrics.jsonl")[0]), default=step)
+        step = run.resume.state["step"] if run.resume is not None else 0
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # the launcher's --max_restarts count
+        old = read_metrics(out / "metrics.jsonl")[0] if (out / "metrics.jsonl").exists() else None
+        if run.resume is not None and old is not None:
             torn = truncate_metrics(out / "metrics.jsonl", step)
             if torn:
                 print(f"warning: dropped {torn} torn line(s) of {out / 'metrics.jsonl'} (a write cut short)")
-            # What the resume cost: the steps the stopped run took after its checkpoint (as far as it logged them).
-            restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # the launcher's --max_restarts count
-            lost = max(0, logged - step)
-            append(out / "metrics.jsonl", {"step": step, "event": "resume", "restart": restart, "lost_steps": lost})
-            print(
-                f"{f'restart {restart} by the launcher: ' if restart else ''}resumed from {run.resume.path.name} "
-                f"(step {step}); {lost} step(s) logged after it were lost"
-            )
         else:
             write_atomic(out / "metrics.jsonl", "")
+        if run.resume is not None or (restart and old is not None):  # a restart before any checkpoint starts over
+            # What the resume cost: the steps the stopped run took after its checkpoint (as far as it logged them).
+            lost = max([0, *(r["step"] - step for r in old or [])])
+            append(out / "metrics.jsonl", {"step": step, "event": "resume", "restart": restart, "lost_steps": lost})
+            where = f"{run.resume.path.name} (step {step})" if run.resume is not None else "the start (no checkpoint)"
+            print(f"{f'restart {restart} by the launcher: ' if restart else ''}resumed from {where}; {lost} step(s) "
+                  f"logged after it were lost")  # fmt: skip
         settings = {"written_by": "train.py", **dataclasses.asdict(cfg), "batch_plan": dataclasses.asdict(run.batch)}
         write_json_atomic(
             out / "config.json",

@@ -23,6 +23,7 @@ import re
 import shutil
 import signal
 import sys
+import time
 from pathlib import Path
 
 
@@ -56,6 +57,7 @@ FAULTS = {
     "sigterm_launcher": "train.py: after step `step`, rank `rank` sends SIGTERM to its launcher (a preemption)",
     "sigkill_rank": "train.py: after step `step`, rank `rank` kills itself with SIGKILL (a crashed process)",
     "sigstop_rank": "train.py: after step `step`, rank `rank` stops itself with SIGSTOP (a hung process)",
+    "slow_step": "train.py: after step `step`, rank `rank` sleeps 4 s (a slow step, not a hung one)",
     "sigkill_in_save": "checkpoint.py: rank `rank` is killed after writing its shards of checkpoint `step`",
     "sigterm_in_save": "checkpoint.py: rank `rank` gets SIGTERM while checkpoint `step` is written",
 }
@@ -79,6 +81,8 @@ def fault(kind: str, rank: int, step: int) -> bool:
             continue
         if kind == "sigterm_launcher":
             os.kill(os.getppid(), signal.SIGTERM)
+        elif kind == "slow_step":
+            time.sleep(4)
         elif kind != "nan_loss":
             os.kill(os.getpid(), SIGNALS.get(kind, signal.SIGTERM))
         return True
@@ -217,6 +221,13 @@ def exit_process(code: int) -> None:
     """
     if "LOCAL_RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
         sys.exit(code)
+    if code in (2, 3) and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0:
+        # A bad flag, a diverged run or a full disk fails the same way every time: stop the launcher's restarts
+        # (--max_restarts) by stopping the launcher, which ends every process of this machine. A crash or a hang
+        # (the watchdog exits through os._exit, not here) is left to the restarts.
+        if os.environ.get("RANK", "0") == "0":
+            print("not restarting: the launcher's --max_restarts cannot fix this", file=sys.stderr)
+        os.kill(os.getppid(), signal.SIGTERM)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

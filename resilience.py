@@ -27,50 +27,39 @@ import metrics
 
 
 class StopVote:
-    """Whether any process was asked to stop. The vote cast after step N is read after step N+1, so the all-reduce
-    overlaps a step of compute and every process stops after the same step, one step after the signal."""
+    """Whether any process was asked to stop: one all-reduce of a flag after every step, so that every process stops
+    after the same step, the one the signal came in. (Reading the vote a step later, to overlap it with compute, was
+    measured no faster on CPU processes and costs a preempted run its checkpoint when a step is long: torchrun kills
+    its workers 30 s after passing on a SIGTERM.)"""
 
     def __init__(self, accelerator):
         self.device = accelerator.device
         self.distributed = accelerator.num_processes > 1 and torch.distributed.is_initialized()
-        self.pending = None  # (work, tensor) of the vote in flight
-
-    def _outcome(self) -> bool:
-        if self.pending is None:
-            return False
-        work, tensor = self.pending
-        work.wait()
-        self.pending = None
-        return bool(tensor.item() > 0)
-
-    def _cast(self, asked: bool, async_op: bool):
-        tensor = torch.tensor([float(asked)], device=self.device)
-        work = torch.distributed.all_reduce(tensor, async_op=async_op)
-        return work, tensor
 
     def after_step(self, asked: bool) -> bool:
-        """Cast this process's vote for the step just taken; True when the previous step's vote said stop."""
         if not self.distributed:
             return asked
-        outcome = self._outcome()
-        self.pending = self._cast(asked, async_op=True)
-        return outcome
-
-    def now(self, asked: bool) -> bool:
-        """Agree at once (after a checkpoint was written, where stopping right away saves a step and a checkpoint)."""
-        if not self.distributed:
-            return asked
-        outcome = self._outcome()
-        _, tensor = self._cast(asked, async_op=False)
-        return outcome or bool(tensor.item() > 0)
-
-    def settle(self) -> None:
-        """Wait for the vote in flight (before the process group is used for anything else at the end)."""
-        self._outcome()
+        flag = torch.tensor([float(asked)], device=self.device)
+        torch.distributed.all_reduce(flag)
+        return bool(flag.item() > 0)
 
 
 class Diverged(Exception):
     """Training cannot go on (exit 3); the message says why and how to continue from the last checkpoint."""
+
+
+def backward(accelerator, loss: torch.Tensor, step: int) -> None:
+    """accelerator.backward, with DeepSpeed's "loss scale already at minimum" (fp16 overflowing at scale 1, raised on
+    every rank at once) turned into Diverged."""
+    try:
+        accelerator.backward(loss)
+    except Exception as e:
+        if "loss scale already at minimum" not in str(e):
+            raise
+        raise Diverged(
+            f"step {step}: the fp16 loss scale is at its minimum and gradients still overflow; train in bf16 "
+            f"(--mixed_precision bf16 at launch), lower --lr, or --resume auto from the last checkpoint"
+        ) from None
 
 
 class Skips:
@@ -116,45 +105,50 @@ class Skips:
 
 
 class Watchdog:
-    """A thread in each process that ends a hung run. The loop calls beat() when it starts a step, a validation or a
-    checkpoint; a phase still running past its deadline (a rank stopped or dead inside a collective, a wedged GPU, a
-    dead mount) fires: this process writes its Python stacks (faulthandler) to OUT/hang-<time>-rank<R>.txt and says
-    so on the process group's key-value store, waits a few seconds for the others to do the same, and the lowest
-    rank that answered prints one line naming the step and the ranks that did not answer. Ranks on this machine that
-    did not answer are killed (a stopped process never exits by itself), and every process that answered exits 3, so
-    the launcher's restart (--max_restarts) takes over, or the run ends.
+    """A thread in each process that ends a hung run. The script calls beat() when it starts a phase: startup (from
+    before the process group exists, so a restarted attempt that hangs while it joins or loads is caught too), each
+    step, each validation and checkpoint. A phase still running past its deadline (a rank stopped or dead inside a
+    collective, a wedged GPU, a dead mount) fires: this process writes its Python stacks (faulthandler) to
+    OUT/hang-<time>-rank<R>.txt and says so on the process group's key-value store, waits a few seconds for the others
+    to do the same, and the lowest rank that answered prints one line naming the phase and the ranks that did not
+    answer. Ranks on this machine that did not answer are killed (a stopped process never exits by itself, and the
+    launcher would wait 30 s for it), and every process that answered exits 3, so that the launcher's restart
+    (--max_restarts) takes over, or the run ends. A process whose phase ended while it waited goes on instead.
 
-    timeout_s > 0: the limit for a step (validations and checkpoints get 10x); < 0 (auto): 30 min until the run is
-    warm, then 20x the slowest of the first warm steps, at least 5 min; 0: off."""
+    timeout_s > 0: the limit for a step (startup, validations and checkpoints get 10x); -1 (auto): 30 min until the
+    run is warm, then 20x the slowest of the first warm steps, at least 5 min (10x that for the other phases);
+    0: off."""
 
     STARTUP_S, FLOOR_S, STEP_FACTOR, PAUSE_FACTOR, WARM_STEPS, ANSWER_WAIT_S = 1800.0, 300.0, 20.0, 10.0, 8, 5.0
 
-    def __init__(self, out_dir: Path, rank: int, world_size: int, timeout_s: float):
-        self.out, self.rank, self.world = Path(out_dir), rank, world_size
+    def __init__(self, out_dir: str, timeout_s: float):
+        self.out = Path(out_dir)
+        self.rank, self.world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         self.limit = timeout_s if timeout_s > 0 else None  # None: auto, not measured yet
         self.auto = timeout_s < 0
         self.warm: list[float] = []  # durations of the first steps after the start (auto)
-        self.beats = 0
-        self.phase, self.step, self.started, self.deadline = "step", 0, time.monotonic(), None
-        self.store = _default_store()
+        self.beats, self.registered = 0, False
+        self.phase, self.step, self.started, self.deadline = "startup", 0, time.monotonic(), None
         self.attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        if timeout_s == 0:
-            return
-        self._call_store(lambda st: st.set(self._key("pid", rank), f"{socket.gethostname()} {os.getpid()}"))
-        threading.Thread(target=self._watch, name="watchdog", daemon=True).start()
-
-    def step_limit(self) -> float:
-        return self.limit if self.limit is not None else self.STARTUP_S
+        if timeout_s != 0:
+            self.beat(0, "startup")
+            threading.Thread(target=self._watch, name="watchdog", daemon=True).start()
 
     def beat(self, step: int, phase: str = "step") -> None:
         """`phase` starts now, after optimizer step `step`; the previous phase ended."""
         now = time.monotonic()
         self.beats += 1
-        if self.auto and phase == self.phase == "step" and self.beats > 3:  # past the first steps' warm-up
-            self.warm.append(now - self.started)  # a step with no validation or checkpoint inside it
+        if self.auto and phase == self.phase == "step" and len(self.warm) < self.WARM_STEPS and self.beats > 4:
+            self.warm.append(now - self.started)  # a whole step, past the first ones, with no pause inside it
             if len(self.warm) == self.WARM_STEPS:
                 self.limit = max(self.FLOOR_S, self.STEP_FACTOR * max(self.warm))
-        limit = self.step_limit() * (1 if phase == "step" else self.PAUSE_FACTOR)
+        if not self.registered and _default_store() is not None:  # who this process is, for the others to kill
+            self.registered = True
+            self._call_store(lambda st: st.set(self._key("pid", self.rank), f"{socket.gethostname()} {os.getpid()}"))
+        if self.limit is None:
+            limit = self.STARTUP_S
+        else:
+            limit = self.limit * (1 if phase == "step" else self.PAUSE_FACTOR)
         self.phase, self.step, self.started, self.deadline = phase, step, now, now + limit
 
     def stop(self) -> None:
@@ -165,10 +159,10 @@ class Watchdog:
 
     def _call_store(self, fn, timeout_s: float = 10.0):
         """A store call that cannot hang the watchdog itself (the store's host may be what died)."""
-        result = []
-        if self.store is None:
+        store, result = _default_store(), []
+        if store is None:
             return None
-        worker = threading.Thread(target=lambda: result.append(fn(self.store)), daemon=True)
+        worker = threading.Thread(target=lambda: result.append(fn(store)), daemon=True)
         worker.start()
         worker.join(timeout_s)
         return result[0] if result else None
@@ -178,13 +172,16 @@ class Watchdog:
             time.sleep(0.5)
             deadline = self.deadline
             if deadline is not None and time.monotonic() > deadline:
-                self._fire()
+                self._fire(deadline)
 
-    def _fire(self) -> None:
-        waited = time.monotonic() - self.started
+    def _fire(self, deadline: float) -> None:
+        beats, limit, waited = self.beats, deadline - self.started, time.monotonic() - self.started
         what = f"step {self.step + 1}" if self.phase == "step" else f"the {self.phase} after step {self.step}"
+        if self.phase == "startup":
+            what = "the startup (process group, model, checkpoint)"
         dump = self.out / f"hang-{time.strftime('%Y%m%d-%H%M%S')}-rank{self.rank}.txt"
         try:
+            dump.parent.mkdir(parents=True, exist_ok=True)
             with open(dump, "w") as f:
                 f.write(f"rank {self.rank} (pid {os.getpid()} on {socket.gethostname()}): {what} made no progress "
                         f"for {waited:.0f} s\n")  # fmt: skip
@@ -193,25 +190,34 @@ class Watchdog:
             dump = f"(stacks not written: {e})"
         self._call_store(lambda st: st.set(self._key("hang", self.rank), str(self.step)))
         time.sleep(self.ANSWER_WAIT_S)
+        if self.beats != beats:  # it was slow, not stuck: its phase ended while the others were asked
+            self._call_store(lambda st: st.delete_key(self._key("hang", self.rank)))
+            print(f"warning: {what} took {waited:.0f} s (limit {limit:.0f} s) and then went on; stacks: {dump}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            return
+        grouped = _default_store() is not None and self.world > 1
         answered = [r for r in range(self.world) if self._call_store(lambda st, r=r: st.check([self._key("hang", r)]))]
-        silent = [r for r in range(self.world) if r not in answered] if self.store is not None else []
-        for r in silent:  # a stopped or wedged rank on this machine: kill it, so the launcher need not wait for it
+        silent = [r for r in range(self.world) if r not in answered] if grouped else []
+        printer = not grouped or self.rank == min(answered, default=self.rank)
+        if printer:
+            ranks = (f"{_ranks(answered) or 'no rank'} answered, {_ranks(silent) or 'no rank'} did not (killed where "
+                     f"they shared a machine with one that did); ") if grouped else ""  # fmt: skip
+            sys.stderr.write(
+                f"error: {what} made no progress for {waited:.0f} s ({'automatic ' if self.auto else ''}limit "
+                f"{limit:.0f} s, --step_timeout_s): {ranks}Python stacks in {self.out}/hang-*-rank*.txt. Exiting; "
+                f"with --max_restarts the launcher restarts the run and --resume auto continues from the last "
+                f"checkpoint\n"
+            )
+            sys.stderr.flush()
+        if not printer:  # a killed rank wakes every main thread with an error: the line first
+            time.sleep(2)
+        for r in silent:  # stopped or wedged ranks on this machine: killed, so that the launcher need not wait
             pid = self._call_store(lambda st, r=r: st.get(self._key("pid", r)).decode())
             if pid and pid.split()[0] == socket.gethostname():
                 try:
                     os.kill(int(pid.split()[1]), signal.SIGKILL)
                 except (OSError, ValueError):
                     pass
-        if not answered or self.rank == min(answered):
-            sys.stderr.write(
-                f"error: {what} made no progress for {waited:.0f} s ({'automatic limit' if self.auto else 'limit'} "
-                f"{self.deadline - self.started:.0f} s, --step_timeout_s): "
-                f"{_ranks(answered) or 'no rank'} answered, {_ranks(silent) or 'no rank'} did not (killed where "
-                f"they shared a machine with one that did); Python stacks in {self.out}/hang-*-rank*.txt. Exiting; "
-                f"with --max_restarts the launcher restarts the run and --resume auto continues from the last "
-                f"checkpoint\n"
-            )
-            sys.stderr.flush()
         os._exit(3)
 
 

@@ -166,18 +166,6 @@ def lm_loss(model, inputs: torch.Tensor, targets: torch.Tensor, cfg: Config) -> 
     return (nll / n).float()
 
 
-def backward(accelerator, loss: torch.Tensor, step: int) -> None:
-    try:
-        accelerator.backward(loss)
-    except Exception as e:  # DeepSpeed's fp16 scaler raises on every rank at once when it cannot go lower
-        if "loss scale already at minimum" not in str(e):
-            raise
-        raise resilience.Diverged(
-            f"step {step}: the fp16 loss scale is at its minimum and gradients still overflow; train in bf16 "
-            f"(--mixed_precision bf16 at launch), lower --lr, or --resume auto from the last checkpoint"
-        ) from None
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Setup, phase 1: check. Flags, output directory, the settings of the checkpoint to resume, data, model config,
 # launch, batch plan and schedule; a mistake raises UserError before anything is written.
@@ -237,6 +225,8 @@ def check_flags(cfg: Config) -> None:
     for name in never_negative:
         if getattr(cfg, name) < 0:
             raise UserError(f"--{name} {getattr(cfg, name)} must not be negative")
+    if not (cfg.step_timeout_s >= 0 or cfg.step_timeout_s == -1):
+        raise UserError(f"--step_timeout_s {cfg.step_timeout_s} must be -1 (automatic), 0 (off) or a number of seconds")
     if cfg.max_steps == 0 and cfg.num_epochs <= 0:
         raise UserError(f"--num_epochs {cfg.num_epochs} must be positive when --max_steps is 0")
     if not cfg.lr > 0 or not 0 <= cfg.min_lr_ratio <= 1:
@@ -339,6 +329,7 @@ class Parts:
     balancer: moe.LoadBalancer | None  # None for a dense model
     peak_flops: float  # what MFU is measured against
     finaliser: bool  # this process finalises checkpoints on its filesystem
+    watchdog: resilience.Watchdog
     skips: resilience.Skips | None = None
 
     @property
@@ -381,6 +372,7 @@ def build_model(run: Run, accelerator):
 
 def setup(cfg: Config, given: set[str]) -> tuple[Run, Parts]:
     """Check, resume, build: nothing is written to OUT before the first two phases have passed on every process."""
+    watchdog = resilience.Watchdog(cfg.output_dir, cfg.step_timeout_s)  # a hang while starting ends the attempt too
     accelerator = plan.start_accelerator(cfg.log_with, cfg.output_dir)
     run = check(cfg, given, accelerator)
     replanned = check_resume(run, given) if run.resume is not None else None
@@ -417,7 +409,7 @@ def setup(cfg: Config, given: set[str]) -> tuple[Run, Parts]:
         f"{run.flops_per_token / 1e6:.1f} MFLOP/token; peak {peak_flops / 1e12:.2f} TFLOP/s ({peak_source})"
         f"; loss: {loss_path(cfg.loss_chunk_tokens, accelerator.device)}"
     )
-    parts = Parts(accelerator, model, optimizer, balancer, peak_flops, finaliser)
+    parts = Parts(accelerator, model, optimizer, balancer, peak_flops, finaliser, watchdog)
     if run.resume is not None:
         checkpoint.load_checkpoint(run, parts)
     resumed = run.resume.state if run.resume else None
@@ -459,7 +451,7 @@ def train(cfg: Config, given: set[str]) -> int:
     bar = cli.progress_bar(
         total=run.total_steps, initial=step, desc="train", dynamic_ncols=True, disable=not accelerator.is_main_process
     )
-    watchdog = resilience.Watchdog(out, rank, accelerator.num_processes, cfg.step_timeout_s)
+    watchdog = parts.watchdog
     if step == 0 and cfg.eval_at_start:
         watchdog.beat(0, "validation")
         validate_at(0)
@@ -481,7 +473,7 @@ def train(cfg: Config, given: set[str]) -> int:
                 if cli.fault("nan_loss", rank, step + 1):
                     loss = loss * float("nan")
                 aux_loss = balancer.aux_loss() if balancer else None
-                backward(accelerator, loss if aux_loss is None else loss + aux_loss, step + 1)
+                resilience.backward(accelerator, loss if aux_loss is None else loss + aux_loss, step + 1)
                 skip = False
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
@@ -492,9 +484,12 @@ def train(cfg: Config, given: set[str]) -> int:
             loss_sum += loss.detach()
         if balancer:
             balancer.update(accelerator)
-        any(cli.fault(kind, rank, step + 1) for kind in ("sigterm_launcher", "sigkill_rank", "sigstop_rank"))
+        any(
+            cli.fault(kind, rank, step + 1)
+            for kind in ("sigterm_launcher", "sigkill_rank", "sigstop_rank", "slow_step")
+        )
         step += 1
-        stop_requested = vote.after_step(bool(stop_signal))  # the previous step's vote: every process stops together
+        stop_requested = vote.after_step(bool(stop_signal))  # every process stops after the same step
         if not skips.after_step(
             step, skip
         ):  # the loss logged is the mean over the steps taken (reduced over processes at the log step)
@@ -522,7 +517,7 @@ def train(cfg: Config, given: set[str]) -> int:
             )
             accelerator.print(f"saved {saved}")
             # A signal that came while the checkpoint was written stops the run now, not one step and checkpoint later.
-            stop_requested = vote.now(stop_requested or bool(stop_signal))
+            stop_requested = vote.after_step(stop_requested or bool(stop_signal))
         interval.t0 += time.perf_counter() - pause_t0  # throughput counts training time only
         watchdog.beat(step)
         if stop_requested and step < run.total_steps:
@@ -534,7 +529,6 @@ def train(cfg: Config, given: set[str]) -> int:
             watchdog.stop()
             accelerator.end_training()
             return 0
-    vote.settle()
     bar.close()
     watchdog.beat(step, "final export")
     finish(run, parts)

@@ -54,13 +54,14 @@ def test_nan_step_is_skipped_on_every_process(docs_data, tmp_path):
 
 
 def test_four_nan_steps_in_a_row_stop_the_run(docs_data, tmp_path):
+    """...and a launcher with restarts left does not restart it: the NaNs would come back at the same steps."""
     out = tmp_path / "four"
-    proc = launch(
-        1, *TINY, "--max_steps", "8", "--micro_batch_size", "2", "--save_every", "2", "--data_dir", docs_data,
-        "--output_dir", out, check=False, env={"TRAIN_TEST_FAULT": "nan_loss:0:3-6"},
-    )  # fmt: skip
+    args = [*TINY, "--max_steps", "8", "--micro_batch_size", "2", "--save_every", "2", "--resume", "auto"]
+    cmd = launch_cmd(1, *args, "--data_dir", docs_data, "--output_dir", out, launcher_args=["--max_restarts", "2"])
+    proc = run(cmd, check=False, env={"TRAIN_TEST_FAULT": "nan_loss:0:3-6"})
     assert proc.returncode != 0, proc.stderr[-3000:]  # 3 from train.py; the launcher exits 1
     assert "error: steps 3-6: 4 steps in a row had a non-finite loss" in proc.stderr, proc.stderr[-3000:]
+    assert "not restarting" in proc.stderr and "restart 1" not in proc.stdout, proc.stdout[-3000:]
     ckpts = out / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "step_4" and not (out / "final").exists()
 
@@ -113,3 +114,13 @@ def test_hung_rank_without_restarts_ends_the_run(docs_data, tmp_path):
     dump = min(out.glob("hang-*-rank0.txt"), key=lambda p: p.stat().st_mtime)
     assert re.match(r"rank 0 \(pid \d+ on .*\): step 3 made no progress for 1\d s", dump.read_text())
     assert ended - dump.stat().st_mtime < 15  # the timeout fired, then at most a few seconds until the launcher ended
+
+
+def test_a_slow_step_is_not_a_hang(docs_data, tmp_path):
+    """Steps 3-5 take 4 s each against a 2 s limit: the watchdog fires, writes its stacks, sees the step end while it
+    waits (5 s) for the other ranks' answers, and lets the run go on and finish (it used to end it, work lost)."""
+    out = tmp_path / "slow"
+    cmd = [sys.executable, "train.py", *TINY, "--max_steps", "6", "--micro_batch_size", "2", "--step_timeout_s", "2"]
+    proc = run([*cmd, "--data_dir", docs_data, "--output_dir", out], env={"TRAIN_TEST_FAULT": "slow_step:0:3-5"})
+    assert re.search(r"warning: step 3 took \d+ s \(limit 2 s\) and then went on", proc.stderr), proc.stderr[-3000:]
+    assert (out / "final").is_dir() and list(out.glob("hang-*-rank0.txt"))
