@@ -124,3 +124,26 @@ def test_a_slow_step_is_not_a_hang(docs_data, tmp_path):
     proc = run([*cmd, "--data_dir", docs_data, "--output_dir", out], env={"TRAIN_TEST_FAULT": "slow_step:0:3-5"})
     assert re.search(r"warning: step 3 took \d+ s \(limit 2 s\) and then went on", proc.stderr), proc.stderr[-3000:]
     assert (out / "final").is_dir() and list(out.glob("hang-*-rank0.txt"))
+
+
+def test_automatic_step_limit_comes_from_the_warm_steps(tmp_path, monkeypatch):
+    """--step_timeout_s -1: 30 minutes until 8 whole steps past the first ones were timed, then 20x the slowest of
+    them, at least 5 minutes; startup, validation and checkpoints get 10x. The clock is the test's."""
+    import resilience
+
+    now = [1000.0]
+    monkeypatch.setattr(resilience.time, "monotonic", lambda: now[0])
+    dog = resilience.Watchdog(str(tmp_path), -1)
+    assert dog.deadline == 1000.0 + 1800  # startup
+    for step in range(12):  # 2 s steps, one of 40 s among the timed ones
+        now[0] += 40.0 if step == 6 else 2.0
+        dog.beat(step)
+    assert dog.limit == 20 * 40.0 and dog.deadline == now[0] + 800
+    dog.beat(12, "checkpoint")
+    assert dog.deadline == now[0] + 8000
+    fast = resilience.Watchdog(str(tmp_path), -1)
+    for step in range(12):
+        now[0] += 0.5
+        fast.beat(step)
+    assert fast.limit == 300  # the floor
+    dog.stop(), fast.stop()
