@@ -262,8 +262,8 @@ def check_weights_match_config(name: str, loading: dict) -> None:
     ]
     if problems:
         raise UserError(
-            f"--model {name}: its config.json and its weights do not belong together: {'; '.join(problems)}; "
-            "restore the config.json saved with the weights"
+            f"--model {name}: its model configuration and its weights do not belong together: "
+            f"{'; '.join(problems)}; restore the configuration saved with the weights"
         )
 
 
@@ -388,7 +388,10 @@ def task_settings(cfg: Config, num_processes: int) -> harness_tasks.TaskSettings
             "accelerate launch"
         )
     if cfg.num_fewshot < -1 or cfg.limit < 0:
-        raise UserError(f"--num_fewshot {cfg.num_fewshot} and --limit {cfg.limit} must not be negative")
+        raise UserError(
+            f"--num_fewshot {cfg.num_fewshot} / --limit {cfg.limit}: --num_fewshot must be -1 (the task's own) or "
+            f"0 and up, --limit 0 and up (0: all examples; below 1: a fraction of them)"
+        )
     return harness_tasks.TaskSettings(
         harness_tasks.task_names(cfg.tasks), cfg.include_path, cfg.num_fewshot, cfg.limit, cfg.batch_size
     )
@@ -406,7 +409,7 @@ def evaluate(cfg: Config) -> dict:
         raise UserError(f"--batch_size {cfg.batch_size} must be at least 1")
     settings = task_settings(cfg, state.num_processes)
     cfg = dataclasses.replace(cfg, dataset=cfg.dataset or ("" if settings else "wikitext-2"))
-    ckpt = run_model.find_checkpoint(cfg.model)
+    ckpt = run_model.find_checkpoint(cfg.model, cfg.tokenizer)
     docs = load_documents(cfg) if cfg.dataset else None
     tasks = harness_tasks.load_tasks(settings) if settings else None
     model, tokenizer, prefix = load_model(cfg, device, ckpt)

@@ -143,14 +143,21 @@ def run_tasks(model, tokenizer, settings: TaskSettings, loaded) -> dict:
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size)
     finally:
         hf_log.removeFilter(quiet)
-    return simple_evaluate(
-        model=lm,
-        tasks=tasks,
-        num_fewshot=None if settings.num_fewshot < 0 else settings.num_fewshot,
-        limit=settings.limit or None,
-        task_manager=manager,
-        log_samples=False,
-    )
+    try:
+        return simple_evaluate(
+            model=lm,
+            tasks=tasks,
+            num_fewshot=None if settings.num_fewshot < 0 else settings.num_fewshot,
+            limit=settings.limit or None,
+            task_manager=manager,
+            log_samples=False,
+        )
+    except ValueError as e:  # the harness samples the examples without replacement
+        if "Sample larger than population" not in str(e):
+            raise
+        raise UserError(
+            f"--num_fewshot {settings.num_fewshot} is more examples than a task's few-shot split holds; lower it"
+        ) from None
 
 
 def task_report(results: dict, settings: TaskSettings) -> dict:

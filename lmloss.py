@@ -21,6 +21,11 @@ DEFAULT_CHUNK_TOKENS = 1024
 _plain: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN equal to NaN (a first batch that overflows must not pass for a transformed output)."""
+    return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
 def nll_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed negative log-likelihood in nats, number of scored targets); targets of -100 are not scored."""
     nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
@@ -150,6 +155,7 @@ class ChunkedLinearNLL(torch.autograd.Function):
             top = logits.amax(dim=-1)  # log-sum-exp in place: one chunk-sized buffer, not two
             lse[rows] = logits.sub_(top[:, None]).exp_().sum(dim=-1).log_().add_(top)
             total += torch.where(t != -100, lse[rows] - picked, 0.0).sum(dtype=torch.float64)
+            del logits, picked, top  # before the next chunk's, or two chunks' logits are held at once
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.chunk_tokens = chunk_tokens
         return total
@@ -173,6 +179,7 @@ class ChunkedLinearNLL(torch.autograd.Function):
                 grad_weight.addmm_(grad.T, hidden[rows])
             elif ctx.needs_input_grad[1]:
                 grad_weight += (grad.T @ hidden[rows]).float()
+            del grad  # before the next chunk's
         return grad_hidden, grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None, None, None
 
 
@@ -226,6 +233,8 @@ def model_nll(
         hook = head.register_forward_hook(lambda module, args, output: returned.append(output))
         try:
             logits = model(input_ids=inputs, use_cache=False).logits
+        except torch.OutOfMemoryError:  # not a property of the model: it must not switch the loss path
+            raise
         except (RuntimeError, IndexError):  # a model that reshapes or slices its logits
             if core in _plain:
                 raise
@@ -233,7 +242,7 @@ def model_nll(
         finally:
             del head.forward
             hook.remove()
-        if core in _plain or (len(returned) == 1 and logits is not None and torch.equal(logits, returned[0])):
+        if core in _plain or (len(returned) == 1 and logits is not None and _same(logits, returned[0])):
             _plain[core] = True
             return logits, (targets != -100).sum().double()
         _plain[core] = False

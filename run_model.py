@@ -38,16 +38,17 @@ def is_checkpoint_dir(path: Path) -> bool:
     return named_like_one and not (path / "config.json").is_file()  # another tool's model saved under that name
 
 
-def find_checkpoint(name: str) -> RunCheckpoint | None:
+def find_checkpoint(name: str, tokenizer: str = "") -> RunCheckpoint | None:
     """The checkpoint `--model NAME` means: NAME itself (OUT/checkpoints/step_N) or, for a run directory OUT, its newest
-    intact one. None when NAME is neither (a Hugging Face model directory or a Hub id). Refuses an incomplete one."""
+    intact one. None when NAME is neither (a Hugging Face model directory or a Hub id). Refuses an incomplete one.
+    `tokenizer` (--tokenizer), when given, is the tokenizer; else the run's own is looked for."""
     path = Path(name).expanduser()
     if not path.is_dir():
         return None
     if path.name == "checkpoints" and checkpoint.is_train_run(path.parent):
         path = path.parent
     if checkpoint.is_train_run(path) and not is_checkpoint_dir(path):
-        return newest_checkpoint(name, path)
+        return newest_checkpoint(name, path, tokenizer)
     if checkpoint.LEFTOVER.fullmatch(path.name):
         raise UserError(
             f"--model {name} is a checkpoint being written, or one a crash left half-written; pass a complete "
@@ -63,10 +64,10 @@ def find_checkpoint(name: str) -> RunCheckpoint | None:
         fix = f"pass an intact one, e.g. {intact[-1]}" if intact else "no other checkpoint of this run is intact"
         raise UserError(f"--model {name} is not a complete checkpoint: {problem}; {fix}")
     state = json.loads((path / "trainer_state.json").read_text())
-    return RunCheckpoint(path, state["step"], tokenizer_dir(name, path, state))
+    return RunCheckpoint(path, state["step"], Path(tokenizer) if tokenizer else tokenizer_dir(name, path, state))
 
 
-def newest_checkpoint(name: str, out: Path) -> RunCheckpoint:
+def newest_checkpoint(name: str, out: Path, tokenizer: str = "") -> RunCheckpoint:
     def warn(line: str) -> None:
         print(line, file=sys.stderr)
 
@@ -75,7 +76,7 @@ def newest_checkpoint(name: str, out: Path) -> RunCheckpoint:
         final = out / "final"
         fix = f"score its exported model with --model {final}" if final.is_dir() else "train until it saves one"
         raise UserError(f"--model {name}: the run has no intact checkpoint in {out / 'checkpoints'}; {fix}")
-    return find_checkpoint(str(newest))
+    return find_checkpoint(str(newest), tokenizer)
 
 
 def tokenizer_dir(name: str, ckpt: Path, state: dict) -> Path:

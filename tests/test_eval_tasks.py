@@ -221,3 +221,14 @@ def test_what_counts_as_a_checkpoint(tmp_path):
     (step / "config.json").unlink()
     with pytest.raises(UserError, match="step_5 is not a complete checkpoint: no trainer_state.json"):
         run_model.find_checkpoint(str(step))
+
+
+def test_tokenizer_flag_is_the_tokenizer_of_a_checkpoint(trained, docs_data):
+    """A run whose data directory moved can still be scored: --tokenizer names the tokenizer (a review found the
+    flag ignored for checkpoints, the error's own advice not working)."""
+    import run_model
+
+    own = run_model.find_checkpoint(str(trained))
+    assert own.tokenizer_dir == docs_data / "tokenizer"
+    given = run_model.find_checkpoint(str(own.path), str(trained / "final"))
+    assert given.tokenizer_dir == trained / "final" and given.path == own.path
