@@ -484,15 +484,12 @@ def train(cfg: Config, given: set[str]) -> int:
             loss_sum += loss.detach()
         if balancer:
             balancer.update(accelerator)
-        any(
+        for kind in ("sigterm_launcher", "sigkill_rank", "sigstop_rank", "slow_step"):  # the crash tests' points
             cli.fault(kind, rank, step + 1)
-            for kind in ("sigterm_launcher", "sigkill_rank", "sigstop_rank", "slow_step")
-        )
         step += 1
         stop_requested = vote.after_step(bool(stop_signal))  # every process stops after the same step
-        if not skips.after_step(
-            step, skip
-        ):  # the loss logged is the mean over the steps taken (reduced over processes at the log step)
+        # The loss logged is the mean over the steps taken (reduced over processes at the log step).
+        if not skips.after_step(step, skip):
             interval.loss_sum, interval.counted = interval.loss_sum + loss_sum / accum, interval.counted + 1
         interval.steps += 1
         bar.update(1)
