@@ -248,7 +248,7 @@ def no_load_report(record: logging.LogRecord) -> bool:
     return "LOAD REPORT" not in record.getMessage()
 
 
-def check_weights_match_config(name: str, loading: dict) -> None:
+def check_weights_match_config(name: str, loading: dict, config_file: str) -> None:
     """Refuse a model whose weights and config.json disagree: transformers would initialise what is missing or of
     another shape at random, and drop what the config has no place for, and the perplexity would be another model's."""
     problems = [
@@ -262,8 +262,8 @@ def check_weights_match_config(name: str, loading: dict) -> None:
     ]
     if problems:
         raise UserError(
-            f"--model {name}: its model configuration and its weights do not belong together: "
-            f"{'; '.join(problems)}; restore the configuration saved with the weights"
+            f"--model {name}: its {config_file} and its weights do not belong together: {'; '.join(problems)}; "
+            f"restore the {config_file} saved with the weights"
         )
 
 
@@ -320,7 +320,7 @@ def load_model(cfg: Config, device: torch.device, ckpt: run_model.RunCheckpoint 
         raise UserError(f"--model {cfg.model}: cannot be loaded ({str(e).splitlines()[0]})") from None
     finally:
         modeling_log.removeFilter(no_load_report)
-    check_weights_match_config(cfg.model, loading)
+    check_weights_match_config(cfg.model, loading, "model_config.json" if ckpt is not None else "config.json")
     if len(tokenizer) > model.config.vocab_size:
         raise UserError(
             f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {model.config.vocab_size}; "
