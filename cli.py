@@ -197,8 +197,6 @@ def print_error(message: str) -> None:
     """The one `error:` line on stderr. When one process fails, the launcher kills the others at once; so that the
     line is printed exactly once and always, rank 0 prints at once and any other rank only if it is still alive a few
     seconds later (rank 0 did not fail the same way, or is slower to)."""
-    import time
-
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:

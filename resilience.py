@@ -1,12 +1,12 @@
 """What keeps a week-long run going without a person watching it (train.py uses all of it):
 
-StopVote   SIGTERM/SIGINT on any process stops every process after the same step (one tiny all-reduce per step)
-Skips      a step whose loss or gradient norm is not finite is skipped on every process (DeepSpeed skips it
-           itself, fp16 overflow or not; without DeepSpeed the loop does), counted, and more than
-           --max_skipped_steps in a row stop the run (backward: fp16 at its minimum loss scale stops it too)
-Watchdog   a phase (startup, step, validation, checkpoint) far past its limit: every process that can still run
-           writes its Python stacks to OUT/hang-<time>-rank<R>.txt, one line names the phase and the ranks that
-           answered, and the processes exit so that the launcher's restart (--max_restarts) takes over
+any_process  SIGTERM/SIGINT on any process stops every process after the same step (one tiny all-reduce a step)
+Skips        a step whose loss or gradient norm is not finite is skipped on every process (DeepSpeed skips it
+             itself, fp16 overflow or not; without DeepSpeed the loop does), counted, and more than
+             --max_skipped_steps in a row stop the run (backward: fp16 at its minimum loss scale stops it too)
+Watchdog     a phase (startup, step, validation, checkpoint) far past its limit: every process that can still run
+             writes its Python stacks to OUT/hang-<time>-rank<R>.txt, one line names the phase and the ranks that
+             answered, and the processes exit so that the launcher's restart (--max_restarts) takes over
 """
 
 from __future__ import annotations
@@ -25,22 +25,12 @@ import torch
 import metrics
 
 
-class StopVote:
+def any_process(accelerator, asked: bool) -> bool:
     """Whether any process was asked to stop: one all-reduce of a flag after every step, so that every process stops
-    after the same step, the one the signal came in. Reading the vote a step later, to overlap it with compute, was
-    not measurably faster on CPU processes (within the rounds' spread, BENCHMARKS.md) and cost a preempted run its
+    after the same step, the one the signal came in. Reading it a step later, to overlap it with compute, was not
+    measurably faster on CPU processes (within the rounds' spread, BENCHMARKS.md) and cost a preempted run its
     checkpoint when a step is long: torchrun kills its workers 30 s after passing on a SIGTERM."""
-
-    def __init__(self, accelerator):
-        self.device = accelerator.device
-        self.distributed = accelerator.num_processes > 1 and torch.distributed.is_initialized()
-
-    def after_step(self, asked: bool) -> bool:
-        if not self.distributed:
-            return asked
-        flag = torch.tensor([float(asked)], device=self.device)
-        torch.distributed.all_reduce(flag)
-        return bool(flag.item() > 0)
+    return bool(accelerator.reduce(torch.tensor([float(asked)], device=accelerator.device), "sum") > 0)
 
 
 class Diverged(Exception):

@@ -455,7 +455,7 @@ def train(cfg: Config, given: set[str]) -> int:
     if step == 0 and cfg.eval_at_start:
         watchdog.beat(0, "validation")
         validate_at(0)
-    interval, vote, skips = metrics.Interval(), resilience.StopVote(accelerator), parts.skips
+    interval, skips = metrics.Interval(), parts.skips
     watchdog.beat(step)
     while step < run.total_steps:
         # One optimizer step over `accum` micro-batches. A MoE model's balance loss is added to what is
@@ -487,7 +487,7 @@ def train(cfg: Config, given: set[str]) -> int:
         for kind in ("sigterm_launcher", "sigkill_rank", "sigstop_rank", "slow_step"):  # the crash tests' points
             cli.fault(kind, rank, step + 1)
         step += 1
-        stop_requested = vote.after_step(bool(stop_signal))  # every process stops after the same step
+        stop_requested = resilience.any_process(accelerator, bool(stop_signal))  # all stop after the same step
         # The loss logged is the mean over the steps taken (reduced over processes at the log step).
         if not skips.after_step(step, skip):
             interval.loss_sum, interval.counted = interval.loss_sum + loss_sum / accum, interval.counted + 1
@@ -514,7 +514,7 @@ def train(cfg: Config, given: set[str]) -> int:
             )
             accelerator.print(f"saved {saved}")
             # A signal that came while the checkpoint was written stops the run now, not one step and checkpoint later.
-            stop_requested = vote.after_step(stop_requested or bool(stop_signal))
+            stop_requested = resilience.any_process(accelerator, stop_requested or bool(stop_signal))
         interval.t0 += time.perf_counter() - pause_t0  # throughput counts training time only
         watchdog.beat(step)
         if stop_requested and step < run.total_steps:
