@@ -60,6 +60,7 @@ FAULTS = {
     "slow_step": "train.py: after step `step`, rank `rank` sleeps 4 s (a slow step, not a hung one)",
     "sigkill_in_save": "checkpoint.py: rank `rank` is killed after writing its shards of checkpoint `step`",
     "sigterm_in_save": "checkpoint.py: rank `rank` gets SIGTERM while checkpoint `step` is written",
+    "corrupt_link": "plan.py: rank `rank` sees one changed integer in the link check at start (`step` 0)",
 }
 SIGNALS = {"sigkill_rank": signal.SIGKILL, "sigstop_rank": signal.SIGSTOP, "sigkill_in_save": signal.SIGKILL}
 
@@ -83,7 +84,7 @@ def fault(kind: str, rank: int, step: int) -> bool:
             os.kill(os.getppid(), signal.SIGTERM)
         elif kind == "slow_step":
             time.sleep(4)
-        elif kind != "nan_loss":
+        elif kind.startswith("sig"):
             os.kill(os.getpid(), SIGNALS.get(kind, signal.SIGTERM))
         return True
     return False

@@ -33,6 +33,7 @@ import torch
 
 import checkpoint
 import cli
+import costs
 import metrics
 import models
 import moe
@@ -82,12 +83,20 @@ class Config:
     resume: str = field("", "'auto' (newest complete checkpoint in OUT, if any) or a checkpoint directory")
     plan: bool = field(False, "print the memory and time plan for this model, config and batch, then exit "
                               "(no training, no GPU)")
-    accelerate_config: str = field("", "with --plan: the accelerate config YAML to plan for (default: the CPU config)")
+    compare: bool = field(False, "with --plan: one row per strategy (DDP, ZeRO-2, ZeRO-3, offload, NVMe) and the "
+                                 "recommended config, micro-batch and accumulation")
+    accelerate_config: str = field("", "with --plan: the accelerate config YAML to plan for (default: the CPU config; "
+                                       "with --compare the 3-GPU ZeRO-3 config, for its processes and global batch)")
     assumed_mfu: float = field(0.35, "model FLOPs utilisation assumed for the planned step time")
-    interconnect_gb_s: float = field(10.0, "GPU-to-GPU bandwidth assumed for the plan, GB/s (PCIe 4.0 x16 without "
-                                           "P2P: ~10)")
+    interconnect_gb_s: float = field(10.0, "with --plan: GPU-to-GPU all-reduce bandwidth, GB/s (PCIe 4.0 x16 without "
+                                           "P2P: ~10); a real run measures it")
+    pcie_gb_s: float = field(25.0, "with --plan: host-to-GPU bandwidth for offload, GB/s (PCIe 4.0 x16: ~25)")
+    nvme_gb_s: float = field(3.0, "with --plan: NVMe read/write bandwidth for ZeRO-Infinity, GB/s")
     gpu_memory_gib: float = field(24.0, "with --plan: memory per GPU to plan for (RTX 4090: 24); a real run reads "
                                         "the device")
+    host_memory_gib: float = field(0.0, "host RAM per machine to plan for (0: this machine's)")
+    gradient_accumulation_steps: int = field(0, "with --plan: accumulation to plan for (0: the accelerate config's); "
+                                                "a run takes it from the config or `accelerate launch` only")
     ignore_memory_plan: bool = field(False, "start even when the plan says the model does not fit the GPUs")
     eval_at_start: bool = field(True, "validation loss of the initial weights at step 0 (--no_eval_at_start skips "
                                       "it)")
@@ -357,7 +366,7 @@ def build_model(run: Run, accelerator):
     local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
     held = accelerator.gather(torch.tensor([local / n_params], device=accelerator.device)).tolist()
     accelerator.print(f"parameters held per process: {' '.join(f'{h:.1%}' for h in held)}")
-    optimizer = make_optimizer(model, cfg, run.launch.offload_optimizer)
+    optimizer = make_optimizer(model, cfg, run.launch.offload_optimizer != "none")
     if accelerator.state.deepspeed_plugin is not None:
         ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
         ds_config["train_micro_batch_size_per_gpu"] = cfg.micro_batch_size
@@ -388,7 +397,7 @@ def setup(cfg: Config, given: set[str]) -> tuple[Run, Parts]:
         f"on {accelerator.device.type}"
     )
     peak_flops, peak_source = plan.measure_peak_flops(accelerator, launch.precision)
-    plan.check_fits(run, accelerator, peak_flops)
+    costs.check_fits(run, accelerator, peak_flops, plan.measure_links(accelerator))
 
     # Past every check: from here on the run writes to OUT, starting with the marker that makes it ours.
     out, ckpt_root = Path(cfg.output_dir), Path(cfg.output_dir) / "checkpoints"
@@ -550,19 +559,13 @@ def finish(run: Run, parts: Parts) -> None:
 
 
 def run_plan(cfg: Config) -> int:
-    """`train.py --plan`: the plan for a config on paper, no process group and no GPU needed."""
+    """`train.py --plan [--compare]`: the plan for a config on paper, no process group and no GPU needed."""
     try:
-        launch = plan.read_launch(cfg.accelerate_config or "accelerate_configs/zero3_cpu.yaml")
         meta = token_data.read_meta(cfg.data_dir) if (Path(cfg.data_dir) / "meta.json").is_file() else None
-        model_config = models.load_model_config(cfg.model_config, cfg.init_from, cfg.seq_len, meta)
+        costs.print_plan(cfg, models.load_model_config(cfg.model_config, cfg.init_from, cfg.seq_len, meta))
     except (OSError, KeyError, UserError) as e:
         cli.print_error(str(e))
         return 2
-    peak = plan.GPU_PEAK_FLOPS["RTX 4090"] if launch.gpu else 0.1e12  # the target card; a CPU core at ~100 GFLOP/s
-    batch = plan.BatchPlan(cfg.micro_batch_size, launch.grad_accum_steps, launch.world_size, cfg.seq_len)
-    flops_tok = plan.model_flops_per_token(model_config, cfg.seq_len)
-    lines, _ = plan.plan_report(cfg, model_config, launch, batch, flops_tok, cfg.gpu_memory_gib, peak, cfg.max_steps)
-    print("\n".join(lines))
     return 0
 
 

@@ -11,7 +11,7 @@ files), then `train.py` on one CPU process under accelerate_configs/zero3_cpu.ya
 without the long sequence), and tokens/s of the steps after the first log interval. The 512 runs go in rounds
 (chunked, full, chunked, full, ...) so that both see the same machine; each round's ratio is reported. Target
 (issue #25): chunked extra <= 0.3x full's, tokens/s >= 0.95x full's; the first losses equal to 1e-5. The planner's
-count of the same extra (plan.memory_plan at seq 512 minus seq 32, per path) is recorded beside each measurement.
+count of the same extra (costs.memory_plan at seq 512 minus seq 32, per path) is recorded beside each measurement.
 """
 
 import argparse
@@ -60,6 +60,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
     args = ap.parse_args()
+    import costs
     import lmloss
     import models
     import plan
@@ -81,8 +82,10 @@ def main():
     full_extra = rounds[0][0]["peak_rss_gib"] - baseline[0]["peak_rss_gib"]
     mc = models.load_model_config("tiny", "", 512, meta)
 
+    one = plan.Launch(1, 1, "fp32", 1, "none", False, False, 3)  # the runs: one process, ZeRO-3, fp32
+
     def predicted_extra_gib(chunk: int) -> float:  # the planner's count: activations and loss, seq 512 over seq 32
-        at = [plan.memory_plan(mc, 1, 8, s, "fp32", False, False, False, "sdpa", chunk)["gpu_total"] for s in (512, 32)]
+        at = [costs.memory_plan(mc, one, 8, s, False, "sdpa", chunk)["gpu_total"] for s in (512, 32)]
         return (at[0] - at[1]) / 2**30
 
     results = {}

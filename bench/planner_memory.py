@@ -16,10 +16,13 @@ from pathlib import Path
 
 from common import prepare_docs, record, sh
 
+import costs
 import lmloss
 import models
 import plan
 import token_data
+
+ONE_PROCESS = plan.Launch(1, 1, "fp32", 1, "none", False, False, 3)  # what the runs below are
 
 
 def main():
@@ -67,8 +70,8 @@ def main():
             before = json.loads((out / "config.json").read_text())["peak_mem_before_model_gib"]
             peak = max(json.loads(l).get("peak_mem_gib", 0) for l in (out / "metrics.jsonl").read_text().splitlines())
             mc = models.load_model_config(args.model_config, "", args.seq_len, token_data.read_meta(data))
-            estimate = plan.memory_plan(
-                mc, 1, args.micro_batch_size, args.seq_len, "fp32", False, False, ckpt, "sdpa", args.loss_chunk_tokens
+            estimate = costs.memory_plan(
+                mc, ONE_PROCESS, args.micro_batch_size, args.seq_len, ckpt, "sdpa", args.loss_chunk_tokens
             )
             predicted = (
                 estimate["gpu_total"] - estimate["gpu"]["gathered_largest_tensor"]

@@ -13,6 +13,7 @@ from conftest import REPO, launch_cmd, run
 
 import lmloss
 import models
+import costs
 import plan
 import train
 
@@ -194,17 +195,17 @@ def test_planner_counts_the_loss_of_each_path_and_fits_a_larger_micro_batch(monk
     # Full logits in fp32: logits, log-softmax and gradient, 12 bytes a logit; in chunks: one chunk's fp32 logits, the
     # fp32 output-weight gradient and a log-sum-exp per token, whatever the micro-batch.
     tokens, vocab, hidden = 512 * 8, 102_400, 64
-    assert plan.loss_bytes(tokens, vocab, hidden, 4, 0) == tokens * vocab * 12
-    assert plan.loss_bytes(tokens, vocab, hidden, 4, 1024) == 1024 * vocab * 4 + vocab * hidden * 4 + tokens * 4
-    assert plan.loss_bytes(tokens, vocab, hidden, 4, 1024) < 0.1 * plan.loss_bytes(tokens, vocab, hidden, 4, 0)
+    assert costs.loss_bytes(tokens, vocab, hidden, 4, 0) == tokens * vocab * 12
+    assert costs.loss_bytes(tokens, vocab, hidden, 4, 1024) == 1024 * vocab * 4 + vocab * hidden * 4 + tokens * 4
+    assert costs.loss_bytes(tokens, vocab, hidden, 4, 1024) < 0.1 * costs.loss_bytes(tokens, vocab, hidden, 4, 0)
     monkeypatch.chdir(REPO)
     launch = plan.read_launch("accelerate_configs/zero3_3gpu.yaml")
     c = models.load_model_config("deepseek-1.3b", "", 2048, None)
-    batch = plan.BatchPlan(4, launch.grad_accum_steps, launch.world_size, 2048)
     reports = {}
     for chunk in (1024, 0):
         cfg = train.Config(seq_len=2048, micro_batch_size=4, gradient_checkpointing=True, loss_chunk_tokens=chunk)
-        reports[chunk] = "\n".join(plan.plan_report(cfg, c, launch, batch, 1e10, 24.0, 165e12, 0)[0])
+        machine = costs.machine_for(cfg, launch, 165e12)
+        reports[chunk] = "\n".join(costs.plan_report(cfg, c, launch, machine, 3 * 2**30, 0)[0])
     assert "loss 1.37 (chunks of 1024 tokens; full logits: 7.81)" in reports[1024], reports[1024]
     assert "loss 7.81 (full logits)" in reports[0], reports[0]
     largest = re.search(

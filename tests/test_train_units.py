@@ -1,12 +1,14 @@
 """Arithmetic of train.py and its modules: LR schedule, batch plan, sample layout, FLOPs and MFU, memory plan,
 resume settings."""
 
+import dataclasses
 import math
 
 import pytest
 
 import checkpoint
 import cli
+import costs
 import metrics
 import models
 import plan
@@ -81,51 +83,41 @@ def test_memory_plan_agrees_with_deepspeed_estimator():
     c = _config("deepseek-7b")
     counts = plan.llama_param_counts(c)
     # No offload: ours (16 B/param + the gathered largest tensor) vs DeepSpeed's (18 B/param + 4 B x largest).
-    ours = plan.memory_plan(c, 3, 1, 2048, "fp16", False, False, True, "sdpa")
+    zero3 = plan.Launch(3, 1, "fp16", 1, "none", False, True, 3)
+    ours = costs.memory_plan(c, zero3, 1, 2048, True, "sdpa")
     model_states = sum(
         ours["gpu"][k] for k in ("parameters", "gradients", "optimizer_states", "gathered_largest_tensor")
     )
-    _, ds_gpu = plan.deepspeed_estimate(counts["total"], counts["largest_tensor"], 3, 1, False, False)
+    _, ds_gpu = costs.deepspeed_estimate(counts, zero3)
     assert 0.85 < model_states / ds_gpu < 1.0
     assert model_states / 2**30 > 24  # 7B does not fit 24 GB per GPU without offload, whatever the activations
     # Optimizer and parameters offloaded: host RAM is DeepSpeed's 18 B/param times its 1.5 buffer factor.
-    off = plan.memory_plan(c, 3, 1, 2048, "fp16", True, True, True, "sdpa")
-    ds_host, _ = plan.deepspeed_estimate(counts["total"], counts["largest_tensor"], 3, 1, True, True)
+    offload = dataclasses.replace(zero3, offload_optimizer="cpu", offload_params=True)
+    off = costs.memory_plan(c, offload, 1, 2048, True, "sdpa")
+    ds_host, _ = costs.deepspeed_estimate(counts, offload)
     assert off["host_per_process"] * 3 * 1.5 == pytest.approx(ds_host, rel=1e-6)
     assert off["gpu"]["parameters"] == 0 and off["gpu"]["optimizer_states"] == 0
 
 
-def test_plan_command_names_the_offload_config():
+def test_plan_command_names_the_optimizer_offload_config():
     import subprocess
     import sys
 
-    cmd = [
-        sys.executable,
-        "train.py",
-        "--plan",
-        "--data_dir",
-        "no-such-dir",
-        "--model_config",
-        "deepseek-7b",
-        "--seq_len",
-        "2048",
-        "--micro_batch_size",
-        "1",
-        "--accelerate_config",
-    ]
+    cmd = [sys.executable, "train.py", "--plan", "--data_dir", "no-such-dir", "--model_config", "deepseek-7b",
+           "--seq_len", "2048", "--micro_batch_size", "1", "--host_memory_gib", "256", "--accelerate_config"]  # fmt: skip
     no = subprocess.run(
         cmd + ["accelerate_configs/zero3_3gpu.yaml"], cwd=models.MODEL_CONFIG_DIR.parent, capture_output=True, text=True
     )
-    assert no.returncode == 0 and "does NOT fit" in no.stdout and "zero3_offload_3gpu.yaml" in no.stdout, (
+    assert no.returncode == 0 and "does NOT fit" in no.stdout and "zero3_offload_opt_3gpu.yaml" in no.stdout, (
         no.stdout + no.stderr
     )
     yes = subprocess.run(
-        cmd + ["accelerate_configs/zero3_offload_3gpu.yaml", "--gradient_checkpointing"],
+        cmd + ["accelerate_configs/zero3_offload_opt_3gpu.yaml", "--gradient_checkpointing"],
         cwd=models.MODEL_CONFIG_DIR.parent,
         capture_output=True,
         text=True,
     )
-    assert "fits:" in yes.stdout and "host RAM" in yes.stdout, yes.stdout + yes.stderr
+    assert "fits:" in yes.stdout and "host RAM" in yes.stdout and "offload" in yes.stdout, yes.stdout + yes.stderr
 
 
 def test_gpu_peak_by_name_and_precision():

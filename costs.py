@@ -1,0 +1,508 @@
+"""What a training strategy costs, on paper: memory per GPU and in host RAM, bytes over the links per optimizer step
+and seconds per step; the plan a run prints at start and the comparison of strategies (`train.py --plan --compare`).
+
+The strategies, one accelerate config each (accelerate_configs/<file>, see STRATEGIES):
+  DDP         fp32 parameters, gradients and Adam on every GPU; one gradient all-reduce per optimizer step (Accelerate
+              skips the sync during accumulation)
+  ZeRO-2      16-bit parameters on every GPU, gradients and optimizer states partitioned; gradients reduce-scattered
+              every micro-step (ZeRO cannot skip it during accumulation: DeepSpeed #6793), parameters all-gathered once
+              per step
+  ZeRO-3      everything partitioned; parameters all-gathered for the forward, for the backward (and for the recompute
+              with checkpointing) and gradients reduce-scattered, every micro-step
+  + offload   the fp32 master weights, Adam states and fp32 gradients in host RAM, Adam on the CPU; with parameter
+              offload the 16-bit parameters too, copied to the GPU for every pass; with NVMe (ZeRO-Infinity) the
+              optimizer states on an SSD, read and written every step
+
+A step's time is compute + GPU-link traffic + PCIe offload traffic + NVMe + host Adam, none assumed to overlap: an
+upper bound, and on PCIe without P2P the links are what overlaps least. Traffic is counted per process as a ring moves
+it: an all-gather or reduce-scatter of S bytes puts (n-1)/n S on each link, an all-reduce twice that, and a bandwidth is
+the all-reduce bus bandwidth (what nccl-tests calls busbw; plan.measure_links measures it on the real process group).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import plan
+from cli import UserError
+from plan import FIT_FRACTION, GIB, Launch, is_moe, param_counts
+
+# The share of host RAM a plan may fill: the OS, the page cache the data is read through and the launcher need the rest.
+HOST_FIT_FRACTION = 0.9
+# Host RAM a GPU training process takes before the model (CUDA, cuBLAS, NCCL and PyTorch loaded): assumed, not
+# measured here (no GPU); a real run measures its own processes instead (plan.process_rss).
+GPU_PROCESS_HOST_GIB = 3.0
+# DeepSpeed's CPU Adam reads fp32 master weights, gradients, m and v (16 B) and writes weights, m, v and the 16-bit copy
+# (14 B) per parameter: memory-bound. Assumed host memory bandwidth it reaches, GB/s (dual-channel DDR5 gives ~60).
+HOST_ADAM_BYTES_PER_PARAM = 30
+HOST_ADAM_GB_S = 40.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """One way to spread a run over the GPUs: its accelerate config and what it shards or offloads."""
+
+    name: str
+    config: str  # file in accelerate_configs/
+    zero_stage: int  # 0: plain DDP
+    offload_optimizer: str = "none"  # none | cpu | nvme
+    offload_params: bool = False
+
+
+STRATEGIES = (
+    Strategy("DDP", "ddp_3gpu.yaml", 0),
+    Strategy("ZeRO-2", "zero2_3gpu.yaml", 2),
+    Strategy("ZeRO-3", "zero3_3gpu.yaml", 3),
+    Strategy("ZeRO-3 + optimizer offload", "zero3_offload_opt_3gpu.yaml", 3, "cpu"),
+    Strategy("ZeRO-3 + optimizer and parameter offload", "zero3_offload_3gpu.yaml", 3, "cpu", True),
+    Strategy("ZeRO-3 + optimizer on NVMe", "zero3_nvme_3gpu.yaml", 3, "nvme"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """What the plan divides by: per-GPU memory, host RAM per machine, link bandwidths (GB/s), the FLOP/s a device
+    reaches (peak x MFU), and where the GPU-link figure came from."""
+
+    gpu_memory_gib: float
+    host_memory_gib: float
+    link_gb_s: float  # all-reduce bus bandwidth between the processes
+    pcie_gb_s: float  # host <-> one GPU
+    nvme_gb_s: float
+    flops_per_device: float
+    link_source: str = "assumed"
+
+
+def with_strategy(launch: Launch, s: Strategy, grad_accum_steps: int) -> Launch:
+    return dataclasses.replace(
+        launch,
+        zero_stage=s.zero_stage,
+        offload_optimizer=s.offload_optimizer,
+        offload_params=s.offload_params,
+        grad_accum_steps=grad_accum_steps,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Memory
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def memory_plan(c, launch: Launch, micro_batch_size: int, seq_len: int, gradient_checkpointing: bool, attn: str,
+                loss_chunk_tokens: int = 0) -> dict:  # fmt: skip
+    """Bytes per GPU (and per process in host RAM and on NVMe) of one training process, by component.
+
+    Model states, mixed precision with Adam (fp32 in brackets), P parameters over n processes:
+      DDP     fp32 parameters 4P (+ autocast's 16-bit copy of the weights during the forward, 2P), fp32 gradients 4P
+              + the reducer's buckets that copy them 4P, Adam m and v 8P, AdamW's denominator 4P
+      ZeRO-2  16-bit parameters 2P; 16-bit and fp32 gradient partitions 6P/n (4P/n); master weights and Adam 12P/n
+              (8P/n); the step's denominator 4P/n (DeepSpeed's estimate: 2P + 18P/n)
+      ZeRO-3  16-bit parameters 2P/n, gradients 2P/n, master weights and Adam 12P/n (fp32: 4, 4, 8), the largest tensor
+              gathered whole, the step's denominator 4P/n
+    Offloaded optimizer: master weights, Adam states and fp32 gradients ((12 + 4)P/n) in host RAM; on NVMe the states
+    (12P/n) on the SSD and the fp32 gradients in RAM. Offloaded parameters: their 2P/n in host RAM.
+    Activations saved for backward (activations_per_token), per token and layer of a Llama block (the count of
+    Korthikanti et al. 2022 redone for RMSNorm, RoPE and SwiGLU, no dropout): two norm inputs (2h), attention input,
+    q, k, v, rotated q and k, attention output (4h + 3 kv), MLP input, gate, up, SiLU and product (h + 4 ffn), plus
+    2 a s for eager attention's score matrices; MLA and MoE layers as activations_per_token says. Checkpointing
+    keeps each layer's input and recomputes one layer at a time. The loss: loss_bytes (the whole logits, or one chunk).
+    """
+    counts = param_counts(c)
+    p, n, stage = counts["total"], launch.world_size, launch.zero_stage
+    half = launch.precision in ("fp16", "bf16")
+    param_b, grad_b, optim_b = (2, 2, 12) if half else (4, 4, 8)
+    act_b = 2 if half else 4
+    s, b = seq_len, micro_batch_size
+    per_layer = [s * b * values * act_b for values in plan.activations_per_token(c, s, attn)]
+    acts_full = sum(per_layer)
+    acts_ckpt = len(per_layer) * s * b * c.hidden_size * act_b + max(per_layer)
+    offload_opt = launch.offload_optimizer != "none"
+    if stage == 0:
+        states = {
+            "parameters": 4 * p + (2 * p if half else 0),
+            "gradients": 8 * p,
+            "optimizer_states": 8 * p,
+            "optimizer_step_temporaries": 4 * p,
+            "gathered_largest_tensor": 0,
+        }
+    else:
+        shard = 1 if stage == 3 else n  # ZeRO-2 keeps every parameter whole on every GPU
+        states = {
+            "parameters": 0 if launch.offload_params else param_b * p * shard / n,
+            "gradients": (grad_b + (4 if half and stage == 2 else 0)) * p / n,
+            "optimizer_states": 0 if offload_opt else optim_b * p / n,
+            "optimizer_step_temporaries": 0 if offload_opt else 4 * p / n,
+            "gathered_largest_tensor": param_b * counts["largest_tensor"] if stage == 3 else 0,
+        }
+    gpu = {
+        **states,
+        "activations": acts_ckpt if gradient_checkpointing else acts_full,
+        "loss": loss_bytes(s * b, c.vocab_size, c.hidden_size, act_b, loss_chunk_tokens),
+    }
+    host = (
+        (optim_b + 4) * p / n * (launch.offload_optimizer == "cpu")
+        + 4 * p / n * (launch.offload_optimizer == "nvme")
+        + param_b * p / n * launch.offload_params
+    )
+    return {
+        "gpu": gpu,
+        "gpu_total": sum(gpu.values()),
+        "host_per_process": host,
+        "nvme_per_process": optim_b * p / n if launch.offload_optimizer == "nvme" else 0,
+        "activations_without_checkpointing": acts_full,
+        "activations_with_checkpointing": acts_ckpt,
+        "params": counts,
+    }
+
+
+def loss_bytes(tokens: int, vocab: int, hidden: int, act_b: int, chunk_tokens: int) -> int:
+    """Peak bytes of the loss over the output layer in a micro-step of `tokens` tokens (lmloss.model_nll).
+
+    Full logits (chunk_tokens 0): the logits in the activations' dtype, their fp32 log-softmax and its fp32 gradient.
+    In chunks: one chunk's fp32 logits (beside its 16-bit matmul result in mixed precision), recomputed in backward,
+    plus the fp32 accumulator of the output weight's gradient and one fp32 log-sum-exp per token."""
+    if chunk_tokens == 0:
+        return tokens * vocab * (act_b + 4 + 4)
+    rows = min(chunk_tokens, tokens)
+    return rows * vocab * (4 + (act_b if act_b < 4 else 0)) + vocab * hidden * 4 + tokens * 4
+
+
+def deepspeed_estimate(counts: dict, launch: Launch) -> tuple[int, int]:
+    """DeepSpeed's own model-state estimate for ZeRO-2/3: (host bytes per machine, GPU bytes per GPU); (0, 0) for
+    DDP, which it does not estimate."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    per_node = launch.world_size // launch.nodes
+    offload = launch.offload_optimizer != "none"
+    if launch.zero_stage == 3:
+        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+            counts["total"], counts["largest_tensor"], per_node, launch.nodes, offload, launch.offload_params, True
+        )
+        return cpu, gpu
+    if launch.zero_stage in (1, 2):
+        return estimate_zero2_model_states_mem_needs(counts["total"], per_node, launch.nodes, offload)
+    return 0, 0
+
+
+def host_bytes(mem: dict, launch: Launch, base_per_process: float) -> float:
+    """Peak host RAM of one machine: each process's base, then the larger of loading and training.
+
+    Loading: without zero.Init (DDP, ZeRO-2) every process builds the whole fp32 model in host RAM before it moves
+    to the GPU. Training: what is offloaded, and at the end the 16-bit model gathered on rank 0 for OUT/final. On CPU
+    processes the device is the host, so everything the plan puts on the GPU counts here too."""
+    local = launch.world_size // launch.nodes
+    p = mem["params"]["total"]
+    on_device = 0 if launch.gpu else mem["gpu_total"]
+    load = 4 * p * local if launch.zero_stage < 3 and launch.gpu else 0
+    export = (2 if launch.precision in ("fp16", "bf16") else 4) * p
+    return local * base_per_process + max(load, local * (mem["host_per_process"] + on_device) + export)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Traffic and time
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def traffic(counts: dict, launch: Launch, gradient_checkpointing: bool) -> dict:
+    """Bytes one process moves per optimizer step: over the GPU link (ring collectives), over its PCIe link to host
+    RAM for offload, and, per machine, to and from the NVMe SSD."""
+    p, n, accum, stage = counts["total"], launch.world_size, launch.grad_accum_steps, launch.zero_stage
+    param_b = 2 if launch.precision in ("fp16", "bf16") else 4
+    ring = (n - 1) / n
+    gathers = 3 if gradient_checkpointing else 2  # forward, backward, and the recompute of each checkpointed layer
+    if stage == 0:
+        link = 2 * ring * 4 * p  # the fp32 gradients' all-reduce, once per step
+    elif stage in (1, 2):
+        link = accum * ring * param_b * p + ring * param_b * p  # reduce-scatter each micro-step, all-gather once
+    else:
+        link = accum * (gathers + 1) * ring * param_b * p
+    pcie = 0.0
+    if launch.offload_optimizer != "none":  # 16-bit gradients down every micro-step, updated parameters up once
+        pcie += (accum + 1) * param_b * p / n
+    if launch.offload_params:  # each gather starts from the partition in host RAM
+        pcie += accum * gathers * param_b * p / n
+    optim_b = 12 if param_b == 2 else 8
+    nvme = 2 * optim_b * p / launch.nodes if launch.offload_optimizer == "nvme" else 0.0  # read and write every step
+    return {"link": link if n > 1 else 0.0, "pcie": pcie, "nvme": nvme}
+
+
+def step_costs(c, cfg, launch: Launch, micro_batch_size: int, machine: Machine, base_per_process: float) -> dict:
+    """Memory, traffic and seconds per optimizer step of train.py's Config (cfg: sequence length, checkpointing,
+    attention, loss path) under `launch` at a micro-batch; `fits` and, when it does not, `why`."""
+    mem = memory_plan(
+        c, launch, micro_batch_size, cfg.seq_len, cfg.gradient_checkpointing, cfg.attn_implementation,
+        cfg.loss_chunk_tokens,
+    )  # fmt: skip
+    counts = mem["params"]
+    ds_host, ds_gpu = deepspeed_estimate(counts, launch)
+    need = max(mem["gpu_total"], ds_gpu + mem["gpu"]["activations"] + mem["gpu"]["loss"])
+    host = host_bytes(mem, launch, base_per_process)
+    moved = traffic(counts, launch, cfg.gradient_checkpointing)
+    tokens = micro_batch_size * launch.grad_accum_steps * launch.world_size * cfg.seq_len
+    recompute = 4 / 3 if cfg.gradient_checkpointing else 1.0  # one more forward of every layer
+    compute_s = (
+        plan.model_flops_per_token(c, cfg.seq_len) * tokens * recompute / (launch.world_size * machine.flops_per_device)
+    )
+    adam_s = 0.0
+    if launch.offload_optimizer != "none":
+        adam_s = HOST_ADAM_BYTES_PER_PARAM * counts["total"] / launch.nodes / (HOST_ADAM_GB_S * 1e9)
+    seconds = {
+        "compute_s": compute_s,
+        "comm_s": moved["link"] / (machine.link_gb_s * 1e9),
+        "offload_s": moved["pcie"] / (machine.pcie_gb_s * 1e9) + moved["nvme"] / (machine.nvme_gb_s * 1e9),
+        "host_adam_s": adam_s,
+    }
+    step_s = sum(seconds.values())
+    why = []
+    if launch.gpu and need > machine.gpu_memory_gib * GIB * FIT_FRACTION:
+        why.append(f"GPU needs {need / GIB:.1f} of {machine.gpu_memory_gib:g} GiB")
+    if host > machine.host_memory_gib * GIB * HOST_FIT_FRACTION:
+        why.append(f"host needs {host / GIB:.0f} of {machine.host_memory_gib:g} GiB")
+    return {
+        **seconds,
+        "mem": mem,
+        "need": need,
+        "ds_gpu": ds_gpu,
+        "ds_host": ds_host,
+        "host": host,
+        "traffic": moved,
+        "tokens": tokens,
+        "step_s": step_s,
+        "tokens_per_s": tokens / step_s,
+        "fits": not why,
+        "why": "; ".join(why),
+    }
+
+
+def largest_fitting(c, cfg, launch: Launch, machine: Machine, base: float, sequences_per_process: int):
+    """The largest micro-batch that divides the sequences a process takes per step and fits, with the accumulation that
+    keeps that batch: (micro, its costs); (1, the costs of micro-batch 1) when none fits."""
+    divisors = [d for d in range(sequences_per_process, 0, -1) if sequences_per_process % d == 0]
+    for micro in divisors:
+        run = dataclasses.replace(launch, grad_accum_steps=sequences_per_process // micro)
+        costs = step_costs(c, cfg, run, micro, machine, base)
+        if costs["fits"] or micro == 1:
+            return micro, costs
+    raise AssertionError("1 divides every batch")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Reports: the plan of one launch, the comparison of strategies, the check at the start of a run
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def strategy_name(launch: Launch) -> str:
+    for s in STRATEGIES:
+        if (s.zero_stage, s.offload_optimizer, s.offload_params) == (
+            launch.zero_stage, launch.offload_optimizer, launch.offload_params
+        ):  # fmt: skip
+            return s.name
+    return "one process" if launch.world_size == 1 and launch.zero_stage == 0 else f"ZeRO-{launch.zero_stage}"
+
+
+def machine_for(cfg, launch: Launch, peak_flops_per_device: float, link_gb_s: float = 0.0,
+                gpu_memory_gib: float = 0.0) -> Machine:  # fmt: skip
+    """The Machine a plan of train.py's Config divides by: measured figures where given (link_gb_s > 0: the
+    all-reduce measured at start; gpu_memory_gib > 0: the device's), else the flags."""
+    return Machine(
+        gpu_memory_gib=gpu_memory_gib or cfg.gpu_memory_gib,
+        host_memory_gib=cfg.host_memory_gib or plan.host_memory_gib(),
+        link_gb_s=link_gb_s or cfg.interconnect_gb_s,
+        pcie_gb_s=cfg.pcie_gb_s,
+        nvme_gb_s=cfg.nvme_gb_s,
+        flops_per_device=peak_flops_per_device * cfg.assumed_mfu,
+        link_source="measured all-reduce" if link_gb_s else "assumed, --interconnect_gb_s",
+    )
+
+
+def plan_report(cfg, c, launch: Launch, machine: Machine, base: float, steps: int) -> tuple[list[str], bool]:
+    """The memory and time plan of one launch as printable lines, and whether it fits the GPUs and the host RAM.
+    cfg is train.py's Config; base the host bytes of one process before the model."""
+    world, nodes = launch.world_size, launch.nodes
+    costs = step_costs(c, cfg, launch, cfg.micro_batch_size, machine, base)
+    mem, moved = costs["mem"], costs["traffic"]
+    counts, gpu = mem["params"], mem["gpu"]
+    flops_tok = plan.model_flops_per_token(c, cfg.seq_len)
+    where = "device" if launch.gpu else "process"
+    full_loss = memory_plan(c, launch, cfg.micro_batch_size, cfg.seq_len, cfg.gradient_checkpointing,
+                            cfg.attn_implementation, 0)["gpu"]["loss"]  # fmt: skip
+    loss_path = f"chunks of {cfg.loss_chunk_tokens} tokens; full logits: {full_loss / GIB:.2f}"
+    checkpointing = "on" if cfg.gradient_checkpointing else "off"
+    lines = [
+        (
+            f"plan: {counts['total'] / 1e6:,.1f}M parameters ({counts['non_embedding'] / 1e6:,.1f}M non-embedding, "
+            + (f"{counts['activated'] / 1e6:,.1f}M activated per token, " if is_moe(c) else "")
+            + f"largest tensor {counts['largest_tensor'] / 1e6:.1f}M), {flops_tok / 1e9:.2f} GFLOP/token, "
+            f"vocab {c.vocab_size}; {world} processes on {nodes} machine(s), {launch.precision}, "
+            f"{strategy_name(launch)}"
+        ),
+        (
+            f"  per {where}: parameters {gpu['parameters'] / GIB:.2f} GiB + gradients {gpu['gradients'] / GIB:.2f} "
+            f"+ optimizer states {gpu['optimizer_states'] / GIB:.2f} + step temporaries "
+            f"{gpu['optimizer_step_temporaries'] / GIB:.2f} + gathered largest tensor "
+            f"{gpu['gathered_largest_tensor'] / GIB:.2f} + activations {gpu['activations'] / GIB:.2f} "
+            f"(checkpointing {checkpointing}; on: {mem['activations_with_checkpointing'] / GIB:.2f}, "
+            f"off: {mem['activations_without_checkpointing'] / GIB:.2f}) + loss {gpu['loss'] / GIB:.2f} "
+            f"({loss_path if cfg.loss_chunk_tokens else 'full logits'}) "
+            f"= {mem['gpu_total'] / GIB:.2f} GiB"
+        ),
+    ]
+    if launch.zero_stage:
+        lines.append(
+            f"  DeepSpeed's ZeRO-{launch.zero_stage} estimator: {costs['ds_gpu'] / GIB:.2f} GiB model states per "
+            f"{where}, {costs['ds_host'] / GIB:.1f} GiB host RAM per machine (with its 1.5x buffer factor)"
+        )
+    lines.append(
+        f"  host RAM: {costs['host'] / GIB:.1f} GiB per machine of {machine.host_memory_gib:.0f} GiB "
+        f"({world // nodes} x {base / GIB:.1f} GiB per process before the model"
+        + (f", offloaded {mem['host_per_process'] * world / nodes / GIB:.1f} GiB" if mem["host_per_process"] else "")
+        + (", the device's share too: CPU processes" if not launch.gpu else "")
+        + (f"; NVMe {mem['nvme_per_process'] * world / nodes / GIB:.0f} GiB" if mem["nvme_per_process"] else "")
+        + ")"
+    )
+    lines.append(
+        f"  step: {costs['tokens']:,} tokens, {costs['step_s']:.2f} s = {costs['compute_s']:.2f} s compute at "
+        f"{cfg.assumed_mfu:.0%} MFU of {machine.flops_per_device / cfg.assumed_mfu / 1e12:.3g} TFLOP/s + "
+        f"{costs['comm_s']:.2f} s for {moved['link'] / 1e9:.2f} GB per process over the link at "
+        f"{machine.link_gb_s:.3g} GB/s ({machine.link_source})"
+        + (f" + {costs['offload_s']:.2f} s offload" if costs["offload_s"] else "")
+        + (f" + {costs['host_adam_s']:.2f} s host Adam" if costs["host_adam_s"] else "")
+        + f" = {costs['tokens_per_s']:,.0f} tokens/s"
+        + (f"; {steps} steps = {steps * costs['step_s'] / 3600:.1f} h" if steps else "")
+    )
+    if launch.gpu:
+        lines.append(
+            f"  {'fits' if costs['fits'] else 'does NOT fit'}: needs {costs['need'] / GIB:.1f} GiB of "
+            f"{machine.gpu_memory_gib:g} GiB per GPU and {costs['host'] / GIB:.0f} GiB of "
+            f"{machine.host_memory_gib:.0f} GiB host RAM"
+        )
+        sizes = [largest_micro_batch(c, cfg, launch, machine, base, chunk) for chunk in (cfg.loss_chunk_tokens, 0)]
+        if cfg.loss_chunk_tokens:
+            lines.append(
+                f"  largest --micro_batch_size that fits: {sizes[0]} with the loss in chunks of "
+                f"{cfg.loss_chunk_tokens} tokens, {sizes[1]} with the full logits (--loss_chunk_tokens 0)"
+            )
+        if not costs["fits"]:
+            lines.append(f"  advice (train.py --plan --compare): {compare(c, cfg, launch, machine, base)[1]}")
+    elif not costs["fits"]:
+        lines.append(f"  does NOT fit: {costs['why']}")
+    return lines, costs["fits"]
+
+
+def largest_micro_batch(c, cfg, launch: Launch, machine: Machine, base: float, chunk: int) -> int:
+    """The largest micro-batch (up to 1024) that fits the GPU with the loss in chunks of `chunk` tokens; 0: none."""
+    run_cfg = dataclasses.replace(cfg, loss_chunk_tokens=chunk)
+    for b in range(1, 1025):
+        need = step_costs(c, run_cfg, launch, b, machine, base)["need"]
+        if need > machine.gpu_memory_gib * GIB * FIT_FRACTION:
+            return b - 1
+    return 1024
+
+
+def compare(c, cfg, launch: Launch, machine: Machine, base: float) -> tuple[list[str], str]:
+    """One row per strategy (STRATEGIES) for this model, sequence and global batch on this launch's processes, each at
+    the largest micro-batch that fits; and the recommendation: the fastest that fits, or what would make one fit."""
+    per_process = cfg.micro_batch_size * launch.grad_accum_steps
+    rows = [(s, *largest_fitting(c, cfg, with_strategy(launch, s, 1), machine, base, per_process)) for s in STRATEGIES]
+    header = (
+        f"{'strategy (accelerate_configs/)':<31} {'micro x acc':>11} {'GPU GiB':>8} {'host GiB':>8} {'link GB':>8} "
+        f"{'PCIe GB':>8} {'comp s':>7} {'link s':>7} {'offl s':>7} {'Adam s':>7} {'tokens/s':>9}  fits"
+    )
+    lines = [
+        (
+            f"compare: {c.model_type}, seq {cfg.seq_len}, {per_process * launch.world_size} sequences per step on "
+            f"{launch.world_size} x {machine.gpu_memory_gib:g} GiB GPUs, {launch.precision}, checkpointing "
+            f"{'on' if cfg.gradient_checkpointing else 'off'}; host {machine.host_memory_gib:g} GiB; GPU link "
+            f"{machine.link_gb_s:g} GB/s ({machine.link_source}), PCIe {machine.pcie_gb_s:g} GB/s, NVMe "
+            f"{machine.nvme_gb_s:g} GB/s; compute at {machine.flops_per_device / 1e12:.3g} TFLOP/s per GPU "
+            f"({cfg.assumed_mfu:.0%} MFU); host Adam at {HOST_ADAM_GB_S:g} GB/s (assumed); traffic per process and "
+            "optimizer step"
+        ),
+        header,
+    ]
+    for s, micro, k in rows:
+        lines.append(
+            f"{s.config:<31} {f'{micro} x {per_process // micro}':>11} {k['need'] / GIB:>8.1f} {k['host'] / GIB:>8.0f} "
+            f"{k['traffic']['link'] / 1e9:>8.1f} {k['traffic']['pcie'] / 1e9:>8.1f} {k['compute_s']:>7.2f} "
+            f"{k['comm_s']:>7.2f} {k['offload_s']:>7.2f} {k['host_adam_s']:>7.2f} {k['tokens_per_s']:>9,.0f}  "
+            + ("yes" if k["fits"] else f"no: {k['why']}")
+        )
+    fitting = [(k["tokens_per_s"], s, micro, per_process // micro) for s, micro, k in rows if k["fits"]]
+    if fitting:
+        _, s, micro, accum = max(fitting, key=lambda row: row[0])
+        advice = f"accelerate_configs/{s.config} --micro_batch_size {micro} --gradient_accumulation_steps {accum}"
+    else:
+        advice = "nothing fits; " + what_would_fit(c, cfg, launch, machine, base, rows)
+    lines.append(f"recommended: {advice}")
+    return lines, advice
+
+
+def what_would_fit(c, cfg, launch: Launch, machine: Machine, base: float, rows: list) -> str:
+    """When no strategy fits: more host RAM, checkpointing or a shorter sequence, whichever would, with a strategy."""
+    options = []
+    gpu_only = [(k["host"], s) for s, _, k in rows if "GPU" not in k["why"]]
+    if gpu_only:
+        host, s = min(gpu_only, key=lambda row: row[0])
+        options.append(f"{math.ceil(host / GIB / HOST_FIT_FRACTION)} GiB of host RAM ({s.config})")
+    changes = [] if cfg.gradient_checkpointing else [("--gradient_checkpointing", {"gradient_checkpointing": True})]
+    seq = cfg.seq_len // 2
+    while seq >= 128:
+        changes.append((f"--seq_len {seq}", {"seq_len": seq}))
+        seq //= 2
+    for flag, change in changes:
+        changed = dataclasses.replace(cfg, **change)
+        per_process = changed.micro_batch_size * launch.grad_accum_steps
+        for s in STRATEGIES:
+            micro, k = largest_fitting(c, changed, with_strategy(launch, s, 1), machine, base, per_process)
+            if k["fits"]:
+                options.append(f"{flag} ({s.config} --micro_batch_size {micro})")
+                break
+        else:
+            continue
+        break
+    if not options:
+        return "not even with full offload at micro-batch 1: more GPUs, or a smaller model"
+    return "would fit with " + ", or ".join(options)
+
+
+def check_fits(run, accelerator, peak_flops: float, link_gb_s: float) -> None:
+    """Print the plan of this launch (run: train.py's Run); refuse to start when it does not fit the GPUs or the host
+    RAM (unless --ignore_memory_plan)."""
+    cfg, launch = run.cfg, run.launch
+    import torch
+
+    if cfg.gradient_accumulation_steps not in (0, launch.grad_accum_steps):
+        raise UserError(
+            f"--gradient_accumulation_steps {cfg.gradient_accumulation_steps} is for --plan; a run takes it from the "
+            f"accelerate config ({launch.grad_accum_steps} here): accelerate launch --gradient_accumulation_steps "
+            f"{cfg.gradient_accumulation_steps} ... train.py ..."
+        )
+
+    device_gib = torch.cuda.get_device_properties(accelerator.device).total_memory / GIB if launch.gpu else 0.0
+    machine = machine_for(cfg, launch, peak_flops / launch.world_size, link_gb_s, device_gib)
+    lines, fits = plan_report(cfg, run.model_config, launch, machine, plan.process_rss_gib() * GIB, run.total_steps)
+    accelerator.print("\n".join(lines))
+    if not fits and not cfg.ignore_memory_plan:
+        raise UserError(
+            "the plan above does not fit this machine's GPU memory or host RAM; follow its advice, or pass "
+            "--ignore_memory_plan to try anyway"
+        )
+
+
+def print_plan(cfg, model_config) -> None:
+    """`train.py --plan [--compare]`: the plan on paper for --accelerate_config (default: the CPU config, or the
+    3-GPU ZeRO-3 config with --compare), with no process group and no GPU."""
+    default = "accelerate_configs/zero3_3gpu.yaml" if cfg.compare else "accelerate_configs/zero3_cpu.yaml"
+    launch = plan.read_launch(cfg.accelerate_config or default)
+    if cfg.gradient_accumulation_steps:
+        launch = dataclasses.replace(launch, grad_accum_steps=cfg.gradient_accumulation_steps)
+    peak = plan.GPU_PEAK_FLOPS["RTX 4090"] if launch.gpu else 0.1e12  # the target card; a CPU core at ~100 GFLOP/s
+    machine = machine_for(cfg, launch, peak)
+    base = GPU_PROCESS_HOST_GIB * GIB if launch.gpu else plan.process_rss_gib() * GIB
+    if cfg.compare:
+        lines, _ = compare(model_config, cfg, launch, machine, base)
+    else:
+        lines, _ = plan_report(cfg, model_config, launch, machine, base, cfg.max_steps)
+    print("\n".join(lines))

@@ -1,0 +1,147 @@
+"""The strategy planner (costs.py, `train.py --plan --compare`): its counts against hand counts, its recommendation
+against its own one-config plan, and the checks a real run makes at start (host RAM, the link's content).
+"""
+
+import re
+import sys
+
+import pytest
+
+import costs
+import models
+import plan
+import train
+from conftest import REPO, TINY, launch_cmd, run
+
+GIB = 2**30
+
+
+def gpu_launch(stage: int, offload: str = "none", params: bool = False, accum: int = 2, precision: str = "fp16"):
+    return plan.Launch(3, 1, precision, accum, offload, params, True, stage)
+
+
+@pytest.fixture(scope="module")
+def mini():
+    """The mini preset and its parameter count from the built model (not from the planner's own count)."""
+    from transformers import AutoModelForCausalLM
+
+    c = models.load_model_config("mini", "", 128, None)
+    return c, sum(p.numel() for p in AutoModelForCausalLM.from_config(c).parameters())
+
+
+def test_traffic_per_step_by_hand(mini):
+    c, p = mini
+    counts = plan.param_counts(c)
+    assert counts["total"] == p
+    ring = 2 / 3  # of each buffer, over 3 processes
+    t = lambda launch, ckpt=False: costs.traffic(counts, launch, ckpt)  # noqa: E731
+    # DDP: one all-reduce of the fp32 gradients per optimizer step, whatever the accumulation.
+    assert t(gpu_launch(0))["link"] == pytest.approx(2 * ring * 4 * p)
+    assert t(gpu_launch(0, accum=8))["link"] == t(gpu_launch(0))["link"]
+    # ZeRO-2: 16-bit gradients reduce-scattered each of the 2 micro-steps, parameters all-gathered once.
+    assert t(gpu_launch(2))["link"] == pytest.approx(2 * ring * 2 * p + ring * 2 * p)
+    # ZeRO-3: per micro-step two all-gathers (forward, backward) + a reduce-scatter; a third gather to recompute.
+    assert t(gpu_launch(3))["link"] == pytest.approx(2 * 3 * ring * 2 * p)
+    assert t(gpu_launch(3), True)["link"] == pytest.approx(2 * 4 * ring * 2 * p)
+    assert t(gpu_launch(3, precision="fp32"))["link"] == pytest.approx(2 * 3 * ring * 4 * p)
+    # Offload over PCIe, per process: its 16-bit gradient shard down each micro-step, its parameters up once; with
+    # parameter offload its shard up for each gather.
+    assert t(gpu_launch(3, "cpu"))["pcie"] == pytest.approx(3 * 2 * p / 3)
+    assert t(gpu_launch(3, "cpu", True))["pcie"] == pytest.approx(3 * 2 * p / 3 + 2 * 2 * 2 * p / 3)
+    # NVMe: master weights and Adam states (12 B) read and written once per step.
+    assert t(gpu_launch(3, "nvme"))["nvme"] == pytest.approx(2 * 12 * p)
+    assert t(plan.Launch(1, 1, "fp16", 2, "none", False, True, 3))["link"] == 0
+
+
+def test_memory_per_gpu_and_host_by_hand(mini):
+    c, p = mini
+    largest = c.vocab_size * c.hidden_size
+    mem = lambda launch: costs.memory_plan(c, launch, 1, 128, False, "sdpa")  # noqa: E731
+    ddp, zero2, zero3 = mem(gpu_launch(0)), mem(gpu_launch(2)), mem(gpu_launch(3))
+    # DDP: fp32 weights + autocast's 16-bit copy, fp32 gradients + the reducer's buckets, Adam m and v, denominator.
+    assert [ddp["gpu"][k] for k in ("parameters", "gradients", "optimizer_states", "optimizer_step_temporaries")] == [
+        6 * p, 8 * p, 8 * p, 4 * p
+    ]  # fmt: skip
+    assert zero2["gpu"]["parameters"] == pytest.approx(2 * p)
+    assert zero2["gpu"]["gradients"] == pytest.approx(6 * p / 3)
+    assert zero2["gpu"]["optimizer_states"] == pytest.approx(12 * p / 3)
+    assert zero3["gpu"]["parameters"] == pytest.approx(2 * p / 3)
+    assert zero3["gpu"]["gathered_largest_tensor"] == 2 * largest
+    assert zero3["host_per_process"] == 0
+    off = mem(gpu_launch(3, "cpu"))
+    assert off["gpu"]["optimizer_states"] == 0 and off["host_per_process"] == pytest.approx(16 * p / 3)
+    both = mem(gpu_launch(3, "cpu", True))
+    assert both["gpu"]["parameters"] == 0 and both["host_per_process"] == pytest.approx(18 * p / 3)
+    nvme = mem(gpu_launch(3, "nvme"))
+    assert nvme["host_per_process"] == pytest.approx(4 * p / 3) and nvme["nvme_per_process"] == pytest.approx(4 * p)
+    # Host RAM of the machine: without zero.Init each of the 3 processes builds the fp32 model first.
+    base = 2 * GIB
+    assert costs.host_bytes(ddp, gpu_launch(0), base) == pytest.approx(3 * base + 3 * 4 * p)
+    assert costs.host_bytes(off, gpu_launch(3, "cpu"), base) == pytest.approx(3 * base + 16 * p + 2 * p)
+
+
+def compare_7b(capsys, host_gib: float, **flags) -> tuple[str, str]:
+    cfg = train.Config(plan=True, compare=True, data_dir="none", model_config="deepseek-7b", seq_len=2048,
+                       micro_batch_size=1, gradient_checkpointing=True, host_memory_gib=host_gib, **flags)  # fmt: skip
+    assert train.run_plan(cfg) == 0
+    out = capsys.readouterr().out
+    return out, re.search(r"^recommended: (.*)$", out, re.M).group(1)
+
+
+def test_more_host_ram_never_makes_the_plan_worse(capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    speeds, fitting = [], []
+    for host in (16, 32, 64, 128, 160, 256, 512, 1024):
+        out, rec = compare_7b(capsys, host)
+        rows = re.findall(r"^(\S+\.yaml) .* ([\d,]+)  (yes|no)", out, re.M)
+        assert len(rows) == len(costs.STRATEGIES), out
+        fitting.append({name for name, _, fits in rows if fits == "yes"})
+        speeds.append(max([float(s.replace(",", "")) for _, s, fits in rows if fits == "yes"], default=0.0))
+    assert all(a <= b for a, b in zip(fitting, fitting[1:])), fitting
+    assert all(a <= b for a, b in zip(speeds, speeds[1:])), speeds
+    assert speeds[0] == 0 and speeds[-1] > 0
+
+
+def test_7b_recommendation_by_host_ram_and_plan_agrees(capsys, monkeypatch):
+    """The issue's check: 7B on 3 x 24 GB with 512 and with 32 GiB of host RAM."""
+    monkeypatch.chdir(REPO)
+    big, rec_big = compare_7b(capsys, 512)
+    small, rec_small = compare_7b(capsys, 32)
+    assert rec_big != rec_small
+    assert "zero3_offload_3gpu.yaml" not in rec_big  # parameter offload only where nothing else fits
+    for rec in (rec_big, rec_small):
+        names = re.findall(r"(\w+\.yaml)", rec)
+        assert names and all((REPO / "accelerate_configs" / n).is_file() for n in names), rec
+    # --plan on the recommended config, micro-batch and accumulation agrees with the row.
+    config, micro, accum = re.fullmatch(
+        r"(accelerate_configs/\S+) --micro_batch_size (\d+) --gradient_accumulation_steps (\d+)", rec_big
+    ).groups()
+    row = re.search(rf"^{re.escape(config.split('/')[1])} +{micro} x {accum} +([\d.]+) .* ([\d,]+)  yes", big, re.M)
+    cfg = train.Config(plan=True, data_dir="none", model_config="deepseek-7b", seq_len=2048, host_memory_gib=512,
+                       micro_batch_size=int(micro), gradient_checkpointing=True, accelerate_config=config,
+                       gradient_accumulation_steps=int(accum))  # fmt: skip
+    assert train.run_plan(cfg) == 0
+    one = capsys.readouterr().out
+    assert f"= {row.group(2)} tokens/s" in one, (row.group(0), one)
+    assert f"fits: needs {row.group(1)} GiB of 24 GiB per GPU" in one, (row.group(0), one)
+
+
+def test_a_run_needing_more_host_ram_than_the_machine_is_refused(docs_data, tmp_path):
+    out = tmp_path / "out"
+    proc = run([sys.executable, "train.py", *TINY, "--data_dir", docs_data, "--output_dir", out, "--max_steps", "2",
+                "--host_memory_gib", "0.25"], check=False)  # fmt: skip
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and "host RAM" in errors[0], proc.stdout + proc.stderr
+    assert "does NOT fit: host needs" in proc.stdout
+    assert not out.exists() or not any(out.iterdir())  # nothing written
+
+
+def test_data_changed_on_the_link_stops_the_run_with_the_p2p_advice(docs_data, tmp_path):
+    out = tmp_path / "out"
+    args = [*TINY, "--data_dir", docs_data, "--output_dir", out, "--max_steps", "2"]
+    proc = run(launch_cmd(2, *args), check=False, env={"TRAIN_TEST_FAULT": "corrupt_link:1:0"})
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0 and errors and "NCCL_P2P_DISABLE=1" in errors[0], proc.stdout + proc.stderr
+    assert "x 2 processes" in proc.stdout  # both processes started and took part in the check
+    assert "rank 0's on rank 1)" in errors[0]
+    assert not out.exists() or not any(out.iterdir())
