@@ -17,6 +17,9 @@ A step's time is compute + GPU-link traffic + PCIe offload traffic + NVMe + host
 upper bound, and on PCIe without P2P the links are what overlaps least. Traffic is counted per process as a ring moves
 it: an all-gather or reduce-scatter of S bytes puts (n-1)/n S on each link, an all-reduce twice that, and a bandwidth is
 the all-reduce bus bandwidth (what nccl-tests calls busbw; plan.measure_links measures it on the real process group).
+The recommendation is the fastest plan that fits, parameter offload only when nothing else does (see compare).
+What the count leaves out: the frameworks' own per-step overheads (ZeRO's hooks, flattening and copies), which on
+CPU processes cost more than their traffic (BENCHMARKS.md, strategy_vs_plan).
 """
 
 from __future__ import annotations
@@ -430,13 +433,26 @@ def compare(c, cfg, launch: Launch, machine: Machine, base: float) -> tuple[list
             + ("yes" if k["fits"] else f"no: {k['why']}")
         )
     fitting = [(k["tokens_per_s"], s, micro, per_process // micro) for s, micro, k in rows if k["fits"]]
-    if fitting:
-        _, s, micro, accum = max(fitting, key=lambda row: row[0])
-        advice = f"accelerate_configs/{s.config} --micro_batch_size {micro} --gradient_accumulation_steps {accum}"
-    else:
+    if not fitting:
         advice = "nothing fits; " + what_would_fit(c, cfg, launch, machine, base, rows)
-    lines.append(f"recommended: {advice}")
-    return lines, advice
+        return [*lines, f"recommended: {advice}"], advice
+    # Parameter offload only where nothing else fits: its copies are synchronous per sub-module, which a bandwidth
+    # count cannot see (DeepSpeed #3901 measured it 4.8x slower than ZeRO-3 on Falcon-7B); its row is optimistic.
+    _, s, micro, accum = max(fitting, key=lambda row: (not row[1].offload_params, row[0]))
+    advice = f"accelerate_configs/{s.config} --micro_batch_size {micro} --gradient_accumulation_steps {accum}"
+    # accelerate launch passes --gradient_accumulation_steps on to DeepSpeed only; Accelerate's own DDP reads the
+    # variable it would have set.
+    accum_flag = f"--gradient_accumulation_steps {accum} " if s.zero_stage else ""
+    accum_env = "" if s.zero_stage else f"ACCELERATE_GRADIENT_ACCUMULATION_STEPS={accum} "
+    nvme = "--offload_optimizer_nvme_path /your/nvme/dir " if s.offload_optimizer == "nvme" else ""
+    return [
+        *lines,
+        f"recommended: {advice}",
+        f"  {accum_env}accelerate launch --config_file accelerate_configs/{s.config} {accum_flag}{nvme}train.py "
+        f"--model_config {cfg.model_config} --seq_len {cfg.seq_len} --micro_batch_size {micro}"
+        + (" --gradient_checkpointing" if cfg.gradient_checkpointing else "")
+        + " ...",
+    ], advice
 
 
 def what_would_fit(c, cfg, launch: Launch, machine: Machine, base: float, rows: list) -> str:
