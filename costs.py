@@ -4,9 +4,9 @@ and seconds per step; the plan a run prints at start and the comparison of strat
 The strategies, one accelerate config each (accelerate_configs/<file>, see STRATEGIES):
   DDP         fp32 parameters, gradients and Adam on every GPU; one gradient all-reduce per optimizer step (Accelerate
               skips the sync during accumulation)
-  ZeRO-2      16-bit parameters on every GPU, gradients and optimizer states partitioned; gradients reduce-scattered
-              every micro-step (ZeRO cannot skip it during accumulation: DeepSpeed #6793), parameters all-gathered once
-              per step
+  ZeRO-2      16-bit parameters on every GPU, gradients and optimizer states partitioned; gradients all-reduced (as
+              DeepSpeed does it) every micro-step (ZeRO cannot skip it during accumulation: DeepSpeed #6793),
+              parameters all-gathered once per step
   ZeRO-3      everything partitioned; parameters all-gathered for the forward, for the backward (and for the recompute
               with checkpointing) and gradients reduce-scattered, every micro-step
   + offload   the fp32 master weights, Adam states and fp32 gradients in host RAM, Adam on the CPU; with parameter
@@ -218,7 +218,9 @@ def traffic(counts: dict, launch: Launch, gradient_checkpointing: bool) -> dict:
     if stage == 0:
         link = 2 * ring * 4 * p  # the fp32 gradients' all-reduce, once per step
     elif stage in (1, 2):
-        link = accum * ring * param_b * p + ring * param_b * p  # reduce-scatter each micro-step, all-gather once
+        # DeepSpeed's ZeRO-2 all-reduces each gradient bucket and keeps its partition (its default
+        # use_multi_rank_bucket_allreduce), every micro-step; the updated parameters are all-gathered once.
+        link = accum * 2 * ring * param_b * p + ring * param_b * p
     else:
         link = accum * (gathers + 1) * ring * param_b * p
     pcie = 0.0

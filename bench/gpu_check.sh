@@ -7,12 +7,29 @@
 # 4. peak GPU memory against the planner's prediction (train.py prints its plan at start),
 # 5. the MoE preset deepseek-v3-mini in bf16 (routing, bias balancing and MaxVio on a GPU).
 # Everything goes to ${OUT:-bench/results/gpu}; the summary lines are printed at the end.
+#   bash bench/gpu_check.sh strategies   instead: each strategy one GPU can run (every config at --num_processes 1:
+#                                        ZeRO-2, ZeRO-3, optimizer offload, optimizer + parameter offload), measured
+#                                        tokens/s and peak memory beside the plan line each run printed (~6 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/gpu}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python prepare_data.py --dataset python-docs --tokenizer bpe:32000 --output_dir "$OUT/data" --validation_fraction 0.05
+if [ "${1:-}" = strategies ]; then
+    for config in zero2_3gpu zero3_3gpu zero3_offload_opt_3gpu zero3_offload_3gpu; do
+        rm -rf "$OUT/strategy_$config"
+        timeout 90 accelerate launch --config_file "accelerate_configs/$config.yaml" --num_processes 1 \
+            --gradient_accumulation_steps 1 train.py --data_dir "$OUT/data" --model_config deepseek-1.3b --seq_len 2048 \
+            --micro_batch_size 4 --gradient_checkpointing --max_steps 12 --log_every 4 --eval_every 0 --no_eval_at_start \
+            --save_every 0 --output_dir "$OUT/strategy_$config" > "$OUT/strategy_$config.log" 2>&1 || true
+        planned=$(grep -oE "= [0-9,]+ tokens/s" "$OUT/strategy_$config.log" | head -1)
+        measured=$(grep -E "^step 12/" "$OUT/strategy_$config.log" | grep -oE "[0-9,]+ tok/s \| MFU [0-9.]+% \| peak mem [0-9.]+ GiB")
+        echo "$config: planned ${planned:-none}; measured ${measured:-none (see $OUT/strategy_$config.log)}" \
+            | tee -a "$OUT/strategies.txt"
+    done
+    exit 0
+fi
 cat > "$OUT/one_gpu.yaml" <<'YAML'
 compute_environment: LOCAL_MACHINE
 distributed_type: DEEPSPEED

@@ -28,7 +28,7 @@ BENCHMARKS = [  # (result name, command)
     ("prepare_scale", ["bench/prepare_scale.py"]),
     ("train_throughput", ["bench/train_throughput.py"]),
     ("vs_accelerate_example", ["bench/vs_accelerate_example.py", "--accelerate_repo", ACCELERATE_REPO]),
-    ("zero3_vs_ddp", ["bench/zero3_vs_ddp.py"]),
+    ("strategy_vs_plan", ["bench/strategy_vs_plan.py"]),
     ("zero3_knobs", ["bench/zero3_knobs.py"]),
     ("eval_throughput", ["bench/eval_throughput.py"]),
     ("eval_vs_harness", ["bench/eval_vs_harness.py"]),

@@ -38,8 +38,9 @@ def test_traffic_per_step_by_hand(mini):
     # DDP: one all-reduce of the fp32 gradients per optimizer step, whatever the accumulation.
     assert t(gpu_launch(0))["link"] == pytest.approx(2 * ring * 4 * p)
     assert t(gpu_launch(0, accum=8))["link"] == t(gpu_launch(0))["link"]
-    # ZeRO-2: 16-bit gradients reduce-scattered each of the 2 micro-steps, parameters all-gathered once.
-    assert t(gpu_launch(2))["link"] == pytest.approx(2 * ring * 2 * p + ring * 2 * p)
+    # ZeRO-2: 16-bit gradients all-reduced each of the 2 micro-steps (DeepSpeed's bucket all-reduce), parameters
+    # all-gathered once.
+    assert t(gpu_launch(2))["link"] == pytest.approx(2 * 2 * ring * 2 * p + ring * 2 * p)
     # ZeRO-3: per micro-step two all-gathers (forward, backward) + a reduce-scatter; a third gather to recompute.
     assert t(gpu_launch(3))["link"] == pytest.approx(2 * 3 * ring * 2 * p)
     assert t(gpu_launch(3), True)["link"] == pytest.approx(2 * 4 * ring * 2 * p)
