@@ -173,7 +173,8 @@ def main():
             r = sp[f"{name}_planned_over_measured"]
             lines.append(
                 f"| planner's {name.replace('zero', 'ZeRO-')}/DDP tokens/s over the measured ratio (`small`, 2 CPU "
-                f"processes, seq {sp['seq_len']} x micro {sp['micro_batch_size']} x accumulation {sp['accum']}; ranking "
+                f"processes, seq {sp['seq_len']} x micro {sp['micro_batch_size']} x accumulation {sp['accum']}; "
+                "ranking "
                 f"{sp['ranking_measured']} measured, {sp['ranking_planned']} planned) | {r:.3f} | 0.75-1.25 | "
                 f"{'yes' if 0.75 <= r <= 1.25 else '**no**'} | {sp['machine']} | `{sp['command']}` |"
             )

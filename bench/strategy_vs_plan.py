@@ -20,6 +20,7 @@ import argparse
 import statistics
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 from common import add_zero3_vs_ddp_args, free_port, prepare_docs, record, train_py_rate
 
@@ -27,7 +28,7 @@ import costs
 import models
 import plan
 import token_data
-import train
+from lmloss import DEFAULT_CHUNK_TOKENS
 
 
 def launchers(accum: int) -> dict:
@@ -35,7 +36,8 @@ def launchers(accum: int) -> dict:
 
     def accelerate(config: str):
         return lambda: ["accelerate", "launch", "--config_file", config, "--num_processes", "2",
-                        "--gradient_accumulation_steps", str(accum), "--main_process_port", str(free_port())]  # fmt: skip
+                        "--gradient_accumulation_steps", str(accum),
+                        "--main_process_port", str(free_port())]  # fmt: skip
 
     return {
         "ddp": (
@@ -46,6 +48,8 @@ def launchers(accum: int) -> dict:
         "zero2": (accelerate("accelerate_configs/zero2_cpu.yaml"), {}, "DEEPSPEED"),
         "zero3": (accelerate("accelerate_configs/zero3_cpu.yaml"), {}, "DEEPSPEED"),
     }
+
+
 TOLERANCE = 0.25
 
 
@@ -72,7 +76,9 @@ def main():
                 measured[name].append(run["tokens_per_s"])
                 seen.append(run)
         mc = models.load_model_config(args.model_config, "", args.seq_len, token_data.read_meta(data))
-    cfg = train.Config(seq_len=args.seq_len, micro_batch_size=args.batch)
+    # What costs.step_costs reads of train.py's Config, at train.py's defaults (35% MFU, loss in chunks).
+    cfg = SimpleNamespace(seq_len=args.seq_len, gradient_checkpointing=False, attn_implementation="sdpa",
+                          loss_chunk_tokens=DEFAULT_CHUNK_TOKENS, assumed_mfu=0.35)  # fmt: skip
     link = statistics.median(r["link_gb_s"] for r in seen)
     peak = statistics.median(r["peak_tflops"] for r in seen) * 1e12 / 2
     machine = costs.Machine(0, 1e6, link, 1, 1, peak * cfg.assumed_mfu, "measured")
@@ -80,7 +86,8 @@ def main():
         launch = plan.Launch(2, 1, "fp32", args.accum, "none", False, False, stage)
         planned[name] = [costs.step_costs(mc, cfg, launch, args.batch, machine, 0)["tokens_per_s"]] * args.rounds
     result = {"model_config": args.model_config, "processes": 2, "micro_batch_size": args.batch,
-              "seq_len": args.seq_len, "accum": args.accum, "link_gb_s_median": link, "matmul_tflops_median": 2 * peak / 1e12,
+              "seq_len": args.seq_len, "accum": args.accum, "link_gb_s_median": link,
+              "matmul_tflops_median": 2 * peak / 1e12,
               "assumed_mfu": cfg.assumed_mfu}  # fmt: skip
     failures = []
     for name in ("zero2", "zero3"):
@@ -91,7 +98,7 @@ def main():
         result[f"{name}_planned_over_measured"] = p / m
         if abs(p / m - 1) > TOLERANCE:
             failures.append(f"{name}/DDP planned {p:.3f}, measured {m:.3f}")
-    rank = lambda rates: sorted(rates, key=lambda n: -statistics.median(rates[n]))  # noqa: E731
+    rank = lambda rates: sorted(rates, key=lambda n: -statistics.median(rates[n]))
     result.update(
         {
             **{f"{n}_tokens_per_s": measured[n] for n in runs_by_name},

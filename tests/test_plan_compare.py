@@ -2,16 +2,17 @@
 against its own one-config plan, and the checks a real run makes at start (host RAM, the link's content).
 """
 
+import itertools
 import re
 import sys
 
 import pytest
+from conftest import REPO, TINY, launch_cmd, run
 
 import costs
 import models
 import plan
 import train
-from conftest import REPO, TINY, launch_cmd, run
 
 GIB = 2**30
 
@@ -34,7 +35,7 @@ def test_traffic_per_step_by_hand(mini):
     counts = plan.param_counts(c)
     assert counts["total"] == p
     ring = 2 / 3  # of each buffer, over 3 processes
-    t = lambda launch, ckpt=False: costs.traffic(counts, launch, ckpt)  # noqa: E731
+    t = lambda launch, ckpt=False: costs.traffic(counts, launch, ckpt)
     # DDP: one all-reduce of the fp32 gradients per optimizer step, whatever the accumulation.
     assert t(gpu_launch(0))["link"] == pytest.approx(2 * ring * 4 * p)
     assert t(gpu_launch(0, accum=8))["link"] == t(gpu_launch(0))["link"]
@@ -57,7 +58,7 @@ def test_traffic_per_step_by_hand(mini):
 def test_memory_per_gpu_and_host_by_hand(mini):
     c, p = mini
     largest = c.vocab_size * c.hidden_size
-    mem = lambda launch: costs.memory_plan(c, launch, 1, 128, False, "sdpa")  # noqa: E731
+    mem = lambda launch: costs.memory_plan(c, launch, 1, 128, False, "sdpa")
     ddp, zero2, zero3 = mem(gpu_launch(0)), mem(gpu_launch(2)), mem(gpu_launch(3))
     # DDP: fp32 weights + autocast's 16-bit copy, fp32 gradients + the reducer's buckets, Adam m and v, denominator.
     assert [ddp["gpu"][k] for k in ("parameters", "gradients", "optimizer_states", "optimizer_step_temporaries")] == [
@@ -86,20 +87,20 @@ def compare_7b(capsys, host_gib: float, **flags) -> tuple[str, str]:
                        micro_batch_size=1, gradient_checkpointing=True, host_memory_gib=host_gib, **flags)  # fmt: skip
     assert train.run_plan(cfg) == 0
     out = capsys.readouterr().out
-    return out, re.search(r"^recommended: (.*)$", out, re.M).group(1)
+    return out, re.search(r"^recommended: (.*)$", out, re.MULTILINE).group(1)
 
 
 def test_more_host_ram_never_makes_the_plan_worse(capsys, monkeypatch):
     monkeypatch.chdir(REPO)
     speeds, fitting = [], []
     for host in (16, 32, 64, 128, 160, 256, 512, 1024):
-        out, rec = compare_7b(capsys, host)
-        rows = re.findall(r"^(\S+\.yaml) .* ([\d,]+)  (yes|no)", out, re.M)
+        out, _ = compare_7b(capsys, host)
+        rows = re.findall(r"^(\S+\.yaml) .* ([\d,]+)  (yes|no)", out, re.MULTILINE)
         assert len(rows) == len(costs.STRATEGIES), out
         fitting.append({name for name, _, fits in rows if fits == "yes"})
         speeds.append(max([float(s.replace(",", "")) for _, s, fits in rows if fits == "yes"], default=0.0))
-    assert all(a <= b for a, b in zip(fitting, fitting[1:])), fitting
-    assert all(a <= b for a, b in zip(speeds, speeds[1:])), speeds
+    assert all(a <= b for a, b in itertools.pairwise(fitting)), fitting
+    assert all(a <= b for a, b in itertools.pairwise(speeds)), speeds
     assert speeds[0] == 0 and speeds[-1] > 0
 
 
@@ -107,7 +108,7 @@ def test_7b_recommendation_by_host_ram_and_plan_agrees(capsys, monkeypatch):
     """The issue's check: 7B on 3 x 24 GB with 512 and with 32 GiB of host RAM."""
     monkeypatch.chdir(REPO)
     big, rec_big = compare_7b(capsys, 512)
-    small, rec_small = compare_7b(capsys, 32)
+    _, rec_small = compare_7b(capsys, 32)
     assert rec_big != rec_small
     assert "zero3_offload_3gpu.yaml" not in rec_big  # parameter offload only where nothing else fits
     for rec in (rec_big, rec_small):
@@ -117,7 +118,9 @@ def test_7b_recommendation_by_host_ram_and_plan_agrees(capsys, monkeypatch):
     config, micro, accum = re.fullmatch(
         r"(accelerate_configs/\S+) --micro_batch_size (\d+) --gradient_accumulation_steps (\d+)", rec_big
     ).groups()
-    row = re.search(rf"^{re.escape(config.split('/')[1])} +{micro} x {accum} +([\d.]+) .* ([\d,]+)  yes", big, re.M)
+    row = re.search(
+        rf"^{re.escape(config.split('/')[1])} +{micro} x {accum} +([\d.]+) .* ([\d,]+)  yes", big, re.MULTILINE
+    )
     cfg = train.Config(plan=True, data_dir="none", model_config="deepseek-7b", seq_len=2048, host_memory_gib=512,
                        micro_batch_size=int(micro), gradient_checkpointing=True, accelerate_config=config,
                        gradient_accumulation_steps=int(accum))  # fmt: skip

@@ -104,7 +104,8 @@ def test_plan_command_names_the_optimizer_offload_config():
     import sys
 
     cmd = [sys.executable, "train.py", "--plan", "--data_dir", "no-such-dir", "--model_config", "deepseek-7b",
-           "--seq_len", "2048", "--micro_batch_size", "1", "--host_memory_gib", "256", "--accelerate_config"]  # fmt: skip
+           "--seq_len", "2048", "--micro_batch_size", "1", "--host_memory_gib", "256",
+           "--accelerate_config"]  # fmt: skip
     no = subprocess.run(
         cmd + ["accelerate_configs/zero3_3gpu.yaml"], cwd=models.MODEL_CONFIG_DIR.parent, capture_output=True, text=True
     )
