@@ -442,15 +442,16 @@ def compare(c, cfg, launch: Launch, machine: Machine, base: float) -> tuple[list
     # count cannot see (DeepSpeed #3901 measured it 4.8x slower than ZeRO-3 on Falcon-7B); its row is optimistic.
     _, s, micro, accum = max(fitting, key=lambda row: (not row[1].offload_params, row[0]))
     advice = f"accelerate_configs/{s.config} --micro_batch_size {micro} --gradient_accumulation_steps {accum}"
-    # accelerate launch passes --gradient_accumulation_steps on to DeepSpeed only; Accelerate's own DDP reads the
-    # variable it would have set.
+    # accelerate launch passes --gradient_accumulation_steps on to DeepSpeed only, and drops
+    # --offload_optimizer_nvme_path (Accelerate 1.15): the variables it would have set say both.
     accum_flag = f"--gradient_accumulation_steps {accum} " if s.zero_stage else ""
-    accum_env = "" if s.zero_stage else f"ACCELERATE_GRADIENT_ACCUMULATION_STEPS={accum} "
-    nvme = "--offload_optimizer_nvme_path /your/nvme/dir " if s.offload_optimizer == "nvme" else ""
+    env = "" if s.zero_stage else f"ACCELERATE_GRADIENT_ACCUMULATION_STEPS={accum} "
+    if s.offload_optimizer == "nvme":
+        env += "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH=/your/nvme/dir "
     return [
         *lines,
         f"recommended: {advice}",
-        f"  {accum_env}accelerate launch --config_file accelerate_configs/{s.config} {accum_flag}{nvme}train.py "
+        f"  {env}accelerate launch --config_file accelerate_configs/{s.config} {accum_flag}train.py "
         f"--model_config {cfg.model_config} --seq_len {cfg.seq_len} --micro_batch_size {micro}"
         + (" --gradient_checkpointing" if cfg.gradient_checkpointing else "")
         + " ...",
