@@ -463,9 +463,10 @@ def load_checkpoint(run, parts) -> None:
     try:
         parts.accelerator.load_state(str(path))
     except Exception as e:  # noqa: BLE001 - DeepSpeed and torch raise many kinds for one damaged file
+        first_line = str(e).strip().splitlines()[:1]  # a bare assert (DeepSpeed has many) has no message at all
+        why = f"{type(e).__name__}: {first_line[0][:300]}" if first_line else type(e).__name__
         raise UserError(
-            f"cannot load checkpoint {path}: {type(e).__name__}: {str(e).splitlines()[0][:300]}; resume from an "
-            f"older checkpoint with --resume {path.parent}/step_N"
+            f"cannot load checkpoint {path}: {why}; resume from an older checkpoint with --resume {path.parent}/step_N"
         ) from None
     if run.cfg.resume != "auto" and parts.finaliser:
         moved = set_aside_newer(path.parent, path, run.resume.state["step"])
