@@ -168,7 +168,8 @@ def check_resume_compatible(state: dict, current: dict, ckpt: Path) -> None:
     from an older train.py lacks are not compared."""
     for key, value in current.items():
         if key in state and state[key] != value:
-            where = " (the accelerate config's mixed_precision, or --mixed_precision at launch)" * (key == "precision")
+            where = {"precision": " (the accelerate config's mixed_precision, or --mixed_precision at launch)",
+                     "zero_stage": " (the accelerate config's strategy)"}.get(key, "")  # fmt: skip
             raise UserError(
                 f"cannot resume {ckpt}: it was made with {key}={state[key]!r}, this run has "
                 f"{key}={value!r}{where}; relaunch with the original setting, or start a new --output_dir with "
@@ -468,9 +469,10 @@ def load_checkpoint(run, parts) -> None:
     try:
         parts.accelerator.load_state(str(path))
     except Exception as e:  # noqa: BLE001 - DeepSpeed and torch raise many kinds for one damaged file
+        first_line = str(e).strip().splitlines()[:1]  # a bare assert (DeepSpeed has many) has no message at all
+        why = f"{type(e).__name__}: {first_line[0][:300]}" if first_line else type(e).__name__
         raise UserError(
-            f"cannot load checkpoint {path}: {type(e).__name__}: {str(e).splitlines()[0][:300]}; resume from an "
-            f"older checkpoint with --resume {path.parent}/step_N"
+            f"cannot load checkpoint {path}: {why}; resume from an older checkpoint with --resume {path.parent}/step_N"
         ) from None
     if run.cfg.resume != "auto" and parts.finaliser:
         moved = set_aside_newer(path.parent, path, run.resume.state["step"])

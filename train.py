@@ -141,18 +141,15 @@ def schedule_for(cfg: Config, total_steps: int) -> Schedule:
     return Schedule(cfg.lr, cfg.warmup_steps, cfg.lr_decay_steps or total_steps, cfg.min_lr_ratio)
 
 
-def make_optimizer(model, cfg: Config, offload_optimizer: bool):
-    """AdamW with weight decay on 2-D weights only (matrices and embeddings, not norms)."""
+def make_optimizer(model, cfg: Config):
+    """AdamW with weight decay on 2-D weights only (matrices and embeddings, not norms). With the optimizer offloaded,
+    Accelerate swaps torch's AdamW for DeepSpeed's CPU AdamW; any other optimizer, CPU Adam itself included, it
+    rebuilds as Adam with L2 decay (accelerate's map_pytorch_optim_to_deepspeed)."""
     # Under zero.Init parameters are flat shards; ds_shape is the real shape.
     decay = [p for p in model.parameters() if len(getattr(p, "ds_shape", p.shape)) >= 2]
     no_decay = [p for p in model.parameters() if len(getattr(p, "ds_shape", p.shape)) < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    betas = (cfg.adam_beta1, cfg.adam_beta2)
-    if offload_optimizer:  # ZeRO-Offload refuses torch optimizers: its CPU Adam is the one that is fast on the host
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-        return DeepSpeedCPUAdam(groups, lr=cfg.lr, betas=betas, eps=cfg.adam_eps, adamw_mode=True)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.adam_eps)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
 
 
 def sample_ids(step: int, micro_step: int, rank: int, batch: plan.BatchPlan) -> range:
@@ -207,6 +204,7 @@ class Run:
             "data_fingerprint": self.data.meta["fingerprint"],
             "model_config_hash": checkpoint.config_hash(self.model_config),
             "precision": self.launch.precision,
+            "zero_stage": self.launch.zero_stage,
         }
 
     def state_at(self, step: int, skipped_steps: int = 0) -> dict:
@@ -366,7 +364,7 @@ def build_model(run: Run, accelerator):
     local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
     held = accelerator.gather(torch.tensor([local / n_params], device=accelerator.device)).tolist()
     accelerator.print(f"parameters held per process: {' '.join(f'{h:.1%}' for h in held)}")
-    optimizer = make_optimizer(model, cfg, run.launch.offload_optimizer != "none")
+    optimizer = make_optimizer(model, cfg)
     if accelerator.state.deepspeed_plugin is not None:
         ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
         ds_config["train_micro_batch_size_per_gpu"] = cfg.micro_batch_size
