@@ -40,6 +40,8 @@ GPU_PROCESS_HOST_GIB = 3.0
 # (14 B) per parameter: memory-bound. Assumed host memory bandwidth it reaches, GB/s (dual-channel DDR5 gives ~60).
 HOST_ADAM_BYTES_PER_PARAM = 30
 HOST_ADAM_GB_S = 40.0
+# DeepSpeed's default zero_optimization.sub_group_size: the optimizer states are swapped to NVMe in groups this large.
+NVME_SUB_GROUP = 1e9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +106,8 @@ def memory_plan(c, launch: Launch, micro_batch_size: int, seq_len: int, gradient
       ZeRO-3  16-bit parameters 2P/n, gradients 2P/n, master weights and Adam 12P/n (fp32: 4, 4, 8), the largest tensor
               gathered whole, the step's denominator 4P/n
     Offloaded optimizer: master weights, Adam states and fp32 gradients ((12 + 4)P/n) in host RAM; on NVMe the states
-    (12P/n) on the SSD and the fp32 gradients in RAM. Offloaded parameters: their 2P/n in host RAM.
+    (12P/n) on the SSD, the fp32 gradients and 4 pinned swap buffers of a sub-group in RAM. Offloaded parameters: their
+    2P/n in host RAM.
     Activations saved for backward (activations_per_token), per token and layer of a Llama block (the count of
     Korthikanti et al. 2022 redone for RMSNorm, RoPE and SwiGLU, no dropout): two norm inputs (2h), attention input,
     q, k, v, rotated q and k, attention output (4h + 3 kv), MLP input, gate, up, SiLU and product (h + 4 ffn), plus
@@ -143,9 +146,11 @@ def memory_plan(c, launch: Launch, micro_batch_size: int, seq_len: int, gradient
         "activations": acts_ckpt if gradient_checkpointing else acts_full,
         "loss": loss_bytes(s * b, c.vocab_size, c.hidden_size, act_b, loss_chunk_tokens),
     }
+    # ZeRO-Infinity pins buffer_count (4) fp32 buffers of its largest sub-group (sub_group_size, 1e9, or the shard).
+    swap_buffers = 4 * min(NVME_SUB_GROUP, p / n) * 4
     host = (
         (optim_b + 4) * p / n * (launch.offload_optimizer == "cpu")
-        + 4 * p / n * (launch.offload_optimizer == "nvme")
+        + (4 * p / n + swap_buffers) * (launch.offload_optimizer == "nvme")
         + param_b * p / n * launch.offload_params
     )
     return {
@@ -264,7 +269,7 @@ def step_costs(c, cfg, launch: Launch, micro_batch_size: int, machine: Machine, 
     if launch.gpu and need > machine.gpu_memory_gib * GIB * FIT_FRACTION:
         why.append(f"GPU needs {need / GIB:.1f} of {machine.gpu_memory_gib:g} GiB")
     if host > machine.host_memory_gib * GIB * HOST_FIT_FRACTION:
-        why.append(f"host needs {host / GIB:.0f} of {machine.host_memory_gib:g} GiB")
+        why.append(f"host needs {host / GIB:.1f} of {machine.host_memory_gib:g} GiB")
     return {
         **seconds,
         "mem": mem,
@@ -299,12 +304,14 @@ def largest_fitting(c, cfg, launch: Launch, machine: Machine, base: float, seque
 
 
 def strategy_name(launch: Launch) -> str:
+    if launch.world_size == 1 and launch.zero_stage == 0:
+        return "one process"
     for s in STRATEGIES:
         if (s.zero_stage, s.offload_optimizer, s.offload_params) == (
             launch.zero_stage, launch.offload_optimizer, launch.offload_params
         ):  # fmt: skip
             return s.name
-    return "one process" if launch.world_size == 1 and launch.zero_stage == 0 else f"ZeRO-{launch.zero_stage}"
+    return f"ZeRO-{launch.zero_stage}"
 
 
 def machine_for(cfg, launch: Launch, peak_flops_per_device: float, link_gb_s: float = 0.0,
@@ -360,7 +367,7 @@ def plan_report(cfg, c, launch: Launch, machine: Machine, base: float, steps: in
             f"{where}, {costs['ds_host'] / GIB:.1f} GiB host RAM per machine (with its 1.5x buffer factor)"
         )
     lines.append(
-        f"  host RAM: {costs['host'] / GIB:.1f} GiB per machine of {machine.host_memory_gib:.0f} GiB "
+        f"  host RAM: {costs['host'] / GIB:.1f} GiB per machine of {machine.host_memory_gib:.1f} GiB "
         f"({world // nodes} x {base / GIB:.1f} GiB per process before the model"
         + (f", offloaded {mem['host_per_process'] * world / nodes / GIB:.1f} GiB" if mem["host_per_process"] else "")
         + (", the device's share too: CPU processes" if not launch.gpu else "")
@@ -380,8 +387,8 @@ def plan_report(cfg, c, launch: Launch, machine: Machine, base: float, steps: in
     if launch.gpu:
         lines.append(
             f"  {'fits' if costs['fits'] else 'does NOT fit'}: needs {costs['need'] / GIB:.1f} GiB of "
-            f"{machine.gpu_memory_gib:g} GiB per GPU and {costs['host'] / GIB:.0f} GiB of "
-            f"{machine.host_memory_gib:.0f} GiB host RAM"
+            f"{machine.gpu_memory_gib:g} GiB per GPU and {costs['host'] / GIB:.1f} GiB of "
+            f"{machine.host_memory_gib:.1f} GiB host RAM"
         )
         sizes = [largest_micro_batch(c, cfg, launch, machine, base, chunk) for chunk in (cfg.loss_chunk_tokens, 0)]
         if cfg.loss_chunk_tokens:
@@ -492,6 +499,7 @@ def check_fits(run, accelerator, peak_flops: float, link_gb_s: float) -> None:
     cfg, launch = run.cfg, run.launch
     import torch
 
+    check_plan_flags(cfg)
     if cfg.gradient_accumulation_steps not in (0, launch.grad_accum_steps):
         raise UserError(
             f"--gradient_accumulation_steps {cfg.gradient_accumulation_steps} is for --plan; a run takes it from the "
@@ -503,6 +511,8 @@ def check_fits(run, accelerator, peak_flops: float, link_gb_s: float) -> None:
     machine = machine_for(cfg, launch, peak_flops / launch.world_size, link_gb_s, device_gib)
     lines, fits = plan_report(cfg, run.model_config, launch, machine, plan.process_rss_gib() * GIB, run.total_steps)
     accelerator.print("\n".join(lines))
+    # Each process plans on its own memory use: one verdict for all, or one would start while another stops.
+    fits = accelerator.reduce(torch.tensor([float(not fits)], device=accelerator.device), "sum").item() == 0
     if not fits and not cfg.ignore_memory_plan:
         raise UserError(
             "the plan above does not fit this machine's GPU memory or host RAM; follow its advice, or pass "
@@ -510,17 +520,37 @@ def check_fits(run, accelerator, peak_flops: float, link_gb_s: float) -> None:
         )
 
 
+def check_plan_flags(cfg) -> None:
+    """The planner's own flags, in --plan and in a real run."""
+    for name in ("assumed_mfu", "interconnect_gb_s", "pcie_gb_s", "nvme_gb_s", "gpu_memory_gib"):
+        if not getattr(cfg, name) > 0:
+            raise UserError(f"--{name} {getattr(cfg, name)} must be positive")
+    for name in ("host_memory_gib", "gradient_accumulation_steps"):
+        if getattr(cfg, name) < 0:
+            raise UserError(f"--{name} {getattr(cfg, name)} must not be negative (0: the default)")
+    if cfg.compare and not cfg.plan:
+        raise UserError("--compare is a --plan option: python train.py --plan --compare ...")
+
+
 def print_plan(cfg, model_config) -> None:
     """`train.py --plan [--compare]`: the plan on paper for --accelerate_config (default: the CPU config, or the
     3-GPU ZeRO-3 config with --compare), with no process group and no GPU."""
+    check_plan_flags(cfg)
     default = "accelerate_configs/zero3_3gpu.yaml" if cfg.compare else "accelerate_configs/zero3_cpu.yaml"
-    launch = plan.read_launch(cfg.accelerate_config or default)
+    path = cfg.accelerate_config or default
+    launch = plan.read_launch(path)
     if cfg.gradient_accumulation_steps:
         launch = dataclasses.replace(launch, grad_accum_steps=cfg.gradient_accumulation_steps)
     peak = plan.GPU_PEAK_FLOPS["RTX 4090"] if launch.gpu else 0.1e12  # the target card; a CPU core at ~100 GFLOP/s
     machine = machine_for(cfg, launch, peak)
     base = GPU_PROCESS_HOST_GIB * GIB if launch.gpu else plan.process_rss_gib() * GIB
     if cfg.compare:
+        if not launch.gpu or launch.nodes != 1 or launch.world_size != 3:
+            raise UserError(
+                f"--compare weighs the 3-GPU configs (accelerate_configs/*_3gpu.yaml); {path} is "
+                f"{launch.world_size} {'GPU' if launch.gpu else 'CPU'} processes on {launch.nodes} machine(s): give "
+                "one of those configs (default zero3_3gpu.yaml) for its global batch"
+            )
         lines, _ = compare(model_config, cfg, launch, machine, base)
     else:
         lines, _ = plan_report(cfg, model_config, launch, machine, base, cfg.max_steps)

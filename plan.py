@@ -97,8 +97,14 @@ def read_launch(path: str) -> Launch:
     import yaml
 
     y = yaml.safe_load(Path(path).read_text())
-    ds = y.get("deepspeed_config") or {}
+    if not isinstance(y, dict) or "distributed_type" not in y:
+        raise UserError(f"{path} is not an accelerate config (a YAML with distributed_type): see accelerate_configs/")
+    deepspeed = y["distributed_type"] == "DEEPSPEED"
+    ds = (y.get("deepspeed_config") or {}) if deepspeed else {}
     js = json.loads(Path(ds["deepspeed_config_file"]).read_text()) if ds.get("deepspeed_config_file") else {}
+    stage = js.get("zero_optimization", {}).get("stage", ds.get("zero_stage", 3))
+    if deepspeed and not isinstance(stage, int):
+        raise UserError(f"{path}: zero_stage {stage!r} must be 0-3 for --plan to count it")
     return launch_record(
         y.get("mixed_precision", "no"),
         js,
@@ -106,7 +112,7 @@ def read_launch(path: str) -> Launch:
         int(y.get("num_processes", 1)),
         int(y.get("num_machines", 1)),
         not y.get("use_cpu", False),
-        y.get("distributed_type") == "DEEPSPEED",
+        deepspeed,
     )
 
 

@@ -559,6 +559,7 @@ def finish(run: Run, parts: Parts) -> None:
 def run_plan(cfg: Config) -> int:
     """`train.py --plan [--compare]`: the plan for a config on paper, no process group and no GPU needed."""
     try:
+        check_flags(cfg)
         meta = token_data.read_meta(cfg.data_dir) if (Path(cfg.data_dir) / "meta.json").is_file() else None
         costs.print_plan(cfg, models.load_model_config(cfg.model_config, cfg.init_from, cfg.seq_len, meta))
     except (OSError, KeyError, UserError) as e:

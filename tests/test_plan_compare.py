@@ -75,7 +75,9 @@ def test_memory_per_gpu_and_host_by_hand(mini):
     both = mem(gpu_launch(3, "cpu", True))
     assert both["gpu"]["parameters"] == 0 and both["host_per_process"] == pytest.approx(18 * p / 3)
     nvme = mem(gpu_launch(3, "nvme"))
-    assert nvme["host_per_process"] == pytest.approx(4 * p / 3) and nvme["nvme_per_process"] == pytest.approx(4 * p)
+    # NVMe: fp32 gradients in RAM, and DeepSpeed's 4 pinned fp32 swap buffers of a sub-group (here the whole shard).
+    assert nvme["host_per_process"] == pytest.approx(4 * p / 3 + 4 * (p / 3) * 4)
+    assert nvme["nvme_per_process"] == pytest.approx(4 * p)
     # Host RAM of the machine: without zero.Init each of the 3 processes builds the fp32 model first.
     base = 2 * GIB
     assert costs.host_bytes(ddp, gpu_launch(0), base) == pytest.approx(3 * base + 3 * 4 * p)
@@ -149,3 +151,22 @@ def test_data_changed_on_the_link_stops_the_run_with_the_p2p_advice(docs_data, t
     assert "x 2 processes" in proc.stdout  # both processes started and took part in the check
     assert "rank 0's on rank 1)" in errors[0]
     assert not out.exists() or not any(out.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--pcie_gb_s", "0"], "--pcie_gb_s 0.0 must be positive"),
+        (["--interconnect_gb_s", "-1"], "--interconnect_gb_s -1.0 must be positive"),
+        (["--host_memory_gib", "-5"], "--host_memory_gib -5.0 must not be negative"),
+        (["--micro_batch_size", "0"], "--micro_batch_size 0 must be at least 1"),
+        (["--gradient_accumulation_steps", "-2"], "--gradient_accumulation_steps -2 must not be negative"),
+        (["--accelerate_config", "accelerate_configs/zero2_cpu.json"], "is not an accelerate config"),
+        (["--accelerate_config", "accelerate_configs/zero3_multinode.yaml"], "--compare weighs the 3-GPU configs"),
+        (["--accelerate_config", "accelerate_configs/zero3_cpu.yaml"], "3 CPU processes on 1 machine(s)"),
+    ],
+)
+def test_plan_refuses_odd_flags_and_files_in_one_line(flags, says):
+    proc = run([sys.executable, "train.py", "--plan", "--compare", "--data_dir", "none", *flags], check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and says in errors[0], proc.stdout + proc.stderr
