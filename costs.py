@@ -40,6 +40,8 @@ GPU_PROCESS_HOST_GIB = 3.0
 # (14 B) per parameter: memory-bound. Assumed host memory bandwidth it reaches, GB/s (dual-channel DDR5 gives ~60).
 HOST_ADAM_BYTES_PER_PARAM = 30
 HOST_ADAM_GB_S = 40.0
+# The target card's memory bandwidth (datasheet), for plans made without it; a run measures its device's.
+RTX_4090_MEMORY_GB_S = 1008.0
 # DeepSpeed's default zero_optimization.sub_group_size: the optimizer states are swapped to NVMe in groups this large.
 NVME_SUB_GROUP = 1e9
 
@@ -67,14 +69,18 @@ STRATEGIES = (
 
 @dataclasses.dataclass(frozen=True)
 class Machine:
-    """What the plan divides by: per-GPU memory, host RAM per machine, link bandwidths (GB/s), the FLOP/s a device
-    reaches (peak x MFU), and where the GPU-link figure came from."""
+    """What the plan divides by: per-GPU memory, host RAM per machine, bandwidths in GB/s (each collective's bus
+    bandwidth between the processes, host <-> one GPU, NVMe, the device's copy rate), the FLOP/s a device reaches
+    (peak x MFU), and where the collective figures came from."""
 
     gpu_memory_gib: float
     host_memory_gib: float
-    link_gb_s: float  # all-reduce bus bandwidth between the processes
-    pcie_gb_s: float  # host <-> one GPU
+    link_gb_s: float  # all-reduce
+    gather_gb_s: float  # all-gather
+    scatter_gb_s: float  # reduce-scatter
+    pcie_gb_s: float
     nvme_gb_s: float
+    memory_gb_s: float  # device memory, bytes read + written per second
     flops_per_device: float
     link_source: str = "assumed"
 
@@ -214,20 +220,35 @@ def host_bytes(mem: dict, launch: Launch, base_per_process: float) -> float:
 
 
 def traffic(counts: dict, launch: Launch, gradient_checkpointing: bool) -> dict:
-    """Bytes one process moves per optimizer step: over the GPU link (ring collectives), over its PCIe link to host
-    RAM for offload, and, per machine, to and from the NVMe SSD."""
+    """Bytes one process moves per optimizer step: over the GPU link by collective (ring counts; "link" is their sum),
+    over its PCIe link to host RAM for offload, through its own device memory for the optimizer step and the
+    strategy's gradient and parameter copies ("memory", read + written), and, per machine, to and from NVMe.
+
+    The copies, as DDP's reducer and DeepSpeed 0.19's ZeRO code make them: DDP copies the fp32 gradients into its
+    buckets and back once per step; ZeRO-2 copies each micro-step's gradients into its bucket, flattens the bucket
+    for the all-reduce and copies its partition out, and writes the gathered parameters once per step; ZeRO-3 writes
+    the gathered parameters of every gather, flattens the gradients for the reduce-scatter and copies its partition
+    out. Adam reads weights, gradients, m and v and writes weights, m and v (28 B per fp32 parameter it updates)."""
     p, n, accum, stage = counts["total"], launch.world_size, launch.grad_accum_steps, launch.zero_stage
     param_b = 2 if launch.precision in ("fp16", "bf16") else 4
-    ring = (n - 1) / n
+    ring = (n - 1) / n if n > 1 else 0.0
     gathers = 3 if gradient_checkpointing else 2  # forward, backward, and the recompute of each checkpointed layer
+    moved = {"all_reduce": 0.0, "all_gather": 0.0, "reduce_scatter": 0.0}
     if stage == 0:
-        link = 2 * ring * 4 * p  # the fp32 gradients' all-reduce, once per step
+        moved["all_reduce"] = 2 * ring * 4 * p  # the fp32 gradients' all-reduce, once per step
+        copies = 4 * 4 * p
     elif stage in (1, 2):
         # DeepSpeed's ZeRO-2 all-reduces each gradient bucket and keeps its partition (its default
         # use_multi_rank_bucket_allreduce), every micro-step; the updated parameters are all-gathered once.
-        link = accum * 2 * ring * param_b * p + ring * param_b * p
+        moved["all_reduce"] = accum * 2 * ring * param_b * p
+        moved["all_gather"] = ring * param_b * p
+        copies = accum * (4 * param_b * p + 2 * param_b * p / n) + 2 * param_b * p
     else:
-        link = accum * (gathers + 1) * ring * param_b * p
+        moved["all_gather"] = accum * gathers * ring * param_b * p
+        moved["reduce_scatter"] = accum * ring * param_b * p
+        copies = accum * (gathers * param_b * p + 2 * param_b * p + 2 * param_b * p / n)
+    if launch.offload_optimizer == "none":
+        copies += 28 * (p if stage == 0 else p / n)
     pcie = 0.0
     if launch.offload_optimizer != "none":  # 16-bit gradients down every micro-step, updated parameters up once
         pcie += (accum + 1) * param_b * p / n
@@ -235,7 +256,7 @@ def traffic(counts: dict, launch: Launch, gradient_checkpointing: bool) -> dict:
         pcie += accum * gathers * param_b * p / n
     optim_b = 12 if param_b == 2 else 8
     nvme = 2 * optim_b * p / launch.nodes if launch.offload_optimizer == "nvme" else 0.0  # read and write every step
-    return {"link": link if n > 1 else 0.0, "pcie": pcie, "nvme": nvme}
+    return {**moved, "link": sum(moved.values()), "pcie": pcie, "nvme": nvme, "memory": copies}
 
 
 def step_costs(c, cfg, launch: Launch, micro_batch_size: int, machine: Machine, base_per_process: float) -> dict:
@@ -258,9 +279,14 @@ def step_costs(c, cfg, launch: Launch, micro_batch_size: int, machine: Machine, 
     adam_s = 0.0
     if launch.offload_optimizer != "none":
         adam_s = HOST_ADAM_BYTES_PER_PARAM * counts["total"] / launch.nodes / (HOST_ADAM_GB_S * 1e9)
+    comm_s = (
+        moved["all_reduce"] / machine.link_gb_s + moved["all_gather"] / machine.gather_gb_s
+        + moved["reduce_scatter"] / machine.scatter_gb_s
+    ) / 1e9  # fmt: skip
     seconds = {
         "compute_s": compute_s,
-        "comm_s": moved["link"] / (machine.link_gb_s * 1e9),
+        "comm_s": comm_s,
+        "copies_s": moved["memory"] / (machine.memory_gb_s * 1e9),
         "offload_s": moved["pcie"] / (machine.pcie_gb_s * 1e9) + moved["nvme"] / (machine.nvme_gb_s * 1e9),
         "host_adam_s": adam_s,
     }
@@ -314,18 +340,24 @@ def strategy_name(launch: Launch) -> str:
     return f"ZeRO-{launch.zero_stage}"
 
 
-def machine_for(cfg, launch: Launch, peak_flops_per_device: float, link_gb_s: float = 0.0,
+def machine_for(cfg, launch: Launch, peak_flops_per_device: float, links: dict | None = None,
                 gpu_memory_gib: float = 0.0) -> Machine:  # fmt: skip
-    """The Machine a plan of train.py's Config divides by: measured figures where given (link_gb_s > 0: the
-    all-reduce measured at start; gpu_memory_gib > 0: the device's), else the flags."""
+    """The Machine a plan of train.py's Config divides by: measured figures where given (links: plan.measure_links of
+    the run; gpu_memory_gib > 0: the device's), else the flags and, for the device's copy rate, the RTX 4090's
+    datasheet (or an assumed 10 GB/s for a CPU core)."""
+    links = links or {}
+    assumed = cfg.interconnect_gb_s
     return Machine(
         gpu_memory_gib=gpu_memory_gib or cfg.gpu_memory_gib,
         host_memory_gib=cfg.host_memory_gib or plan.host_memory_gib(),
-        link_gb_s=link_gb_s or cfg.interconnect_gb_s,
+        link_gb_s=links.get("all_reduce", assumed),
+        gather_gb_s=links.get("all_gather", assumed),
+        scatter_gb_s=links.get("reduce_scatter", assumed),
         pcie_gb_s=cfg.pcie_gb_s,
         nvme_gb_s=cfg.nvme_gb_s,
+        memory_gb_s=links.get("memory", RTX_4090_MEMORY_GB_S if launch.gpu else 10.0),
         flops_per_device=peak_flops_per_device * cfg.assumed_mfu,
-        link_source="measured all-reduce" if link_gb_s else "assumed, --interconnect_gb_s",
+        link_source="measured" if "all_reduce" in links else "assumed, --interconnect_gb_s",
     )
 
 
@@ -377,8 +409,11 @@ def plan_report(cfg, c, launch: Launch, machine: Machine, base: float, steps: in
     lines.append(
         f"  step: {costs['tokens']:,} tokens, {costs['step_s']:.2f} s = {costs['compute_s']:.2f} s compute at "
         f"{cfg.assumed_mfu:.0%} MFU of {machine.flops_per_device / cfg.assumed_mfu / 1e12:.3g} TFLOP/s + "
-        f"{costs['comm_s']:.2f} s for {moved['link'] / 1e9:.2f} GB per process over the link at "
-        f"{machine.link_gb_s:.3g} GB/s ({machine.link_source})"
+        f"{costs['comm_s']:.2f} s for {moved['link'] / 1e9:.2f} GB per process over the link (all-reduce "
+        f"{machine.link_gb_s:.3g}, all-gather {machine.gather_gb_s:.3g}, reduce-scatter {machine.scatter_gb_s:.3g} "
+        "GB/s, "
+        f"{machine.link_source}) + {costs['copies_s']:.2f} s copying {moved['memory'] / 1e9:.2f} GB in device memory "
+        f"(optimizer step, gradient buckets, gathers) at {machine.memory_gb_s:.3g} GB/s"
         + (f" + {costs['offload_s']:.2f} s offload" if costs["offload_s"] else "")
         + (f" + {costs['host_adam_s']:.2f} s host Adam" if costs["host_adam_s"] else "")
         + f" = {costs['tokens_per_s']:,.0f} tokens/s"
@@ -420,14 +455,15 @@ def compare(c, cfg, launch: Launch, machine: Machine, base: float) -> tuple[list
     rows = [(s, *largest_fitting(c, cfg, with_strategy(launch, s, 1), machine, base, per_process)) for s in STRATEGIES]
     header = (
         f"{'strategy (accelerate_configs/)':<31} {'micro x acc':>11} {'GPU GiB':>8} {'host GiB':>8} {'link GB':>8} "
-        f"{'PCIe GB':>8} {'comp s':>7} {'link s':>7} {'offl s':>7} {'Adam s':>7} {'tokens/s':>9}  fits"
+        f"{'PCIe GB':>8} {'comp s':>7} {'link s':>7} {'copy s':>7} {'offl s':>7} {'Adam s':>7} {'tokens/s':>9}  fits"
     )
     lines = [
         (
             f"compare: {c.model_type}, seq {cfg.seq_len}, {per_process * launch.world_size} sequences per step on "
             f"{launch.world_size} x {machine.gpu_memory_gib:g} GiB GPUs, {launch.precision}, checkpointing "
             f"{'on' if cfg.gradient_checkpointing else 'off'}; host {machine.host_memory_gib:g} GiB; GPU link "
-            f"{machine.link_gb_s:g} GB/s ({machine.link_source}), PCIe {machine.pcie_gb_s:g} GB/s, NVMe "
+            f"{machine.link_gb_s:g} GB/s ({machine.link_source}), PCIe {machine.pcie_gb_s:g} GB/s, GPU memory "
+            f"{machine.memory_gb_s:g} GB/s, NVMe "
             f"{machine.nvme_gb_s:g} GB/s; compute at {machine.flops_per_device / 1e12:.3g} TFLOP/s per GPU "
             f"({cfg.assumed_mfu:.0%} MFU); host Adam at {HOST_ADAM_GB_S:g} GB/s (assumed); traffic per process and "
             "optimizer step"
@@ -438,8 +474,8 @@ def compare(c, cfg, launch: Launch, machine: Machine, base: float) -> tuple[list
         lines.append(
             f"{s.config:<31} {f'{micro} x {per_process // micro}':>11} {k['need'] / GIB:>8.1f} {k['host'] / GIB:>8.0f} "
             f"{k['traffic']['link'] / 1e9:>8.1f} {k['traffic']['pcie'] / 1e9:>8.1f} {k['compute_s']:>7.2f} "
-            f"{k['comm_s']:>7.2f} {k['offload_s']:>7.2f} {k['host_adam_s']:>7.2f} {k['tokens_per_s']:>9,.0f}  "
-            + ("yes" if k["fits"] else f"no: {k['why']}")
+            f"{k['comm_s']:>7.2f} {k['copies_s']:>7.2f} {k['offload_s']:>7.2f} {k['host_adam_s']:>7.2f} "
+            f"{k['tokens_per_s']:>9,.0f}  " + ("yes" if k["fits"] else f"no: {k['why']}")
         )
     fitting = [(k["tokens_per_s"], s, micro, per_process // micro) for s, micro, k in rows if k["fits"]]
     if not fitting:
@@ -493,7 +529,7 @@ def what_would_fit(c, cfg, launch: Launch, machine: Machine, base: float, rows: 
     return "would fit with " + ", or ".join(options)
 
 
-def check_fits(run, accelerator, peak_flops: float, link_gb_s: float) -> None:
+def check_fits(run, accelerator, peak_flops: float, links: dict) -> None:
     """Print the plan of this launch (run: train.py's Run); refuse to start when it does not fit the GPUs or the host
     RAM (unless --ignore_memory_plan)."""
     cfg, launch = run.cfg, run.launch
@@ -508,7 +544,7 @@ def check_fits(run, accelerator, peak_flops: float, link_gb_s: float) -> None:
         )
 
     device_gib = torch.cuda.get_device_properties(accelerator.device).total_memory / GIB if launch.gpu else 0.0
-    machine = machine_for(cfg, launch, peak_flops / launch.world_size, link_gb_s, device_gib)
+    machine = machine_for(cfg, launch, peak_flops / launch.world_size, links, device_gib)
     lines, fits = plan_report(cfg, run.model_config, launch, machine, plan.process_rss_gib() * GIB, run.total_steps)
     accelerator.print("\n".join(lines))
     # Each process plans on its own memory use: one verdict for all, or one would start while another stops.

@@ -370,17 +370,50 @@ def process_rss_gib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / GIB
 
 
-def measure_links(accelerator) -> float:
-    """The all-reduce bus bandwidth between this run's processes in GB/s (0.0 for one process), measured in a second
-    or two on the real process group, after checking that what every process sends arrives unchanged.
+def measure_links(accelerator) -> dict:
+    """What moving bytes costs this run, measured in a second or two on the real process group and device: the bus
+    bandwidth (GB/s) of each collective ZeRO and DDP use (all-reduce, all-gather, reduce-scatter; none for one
+    process) and the device's copy rate (GB/s read + written), after checking that what every process sends arrives
+    unchanged.
 
     The check: an all-gather of rank-stamped integers, compared on every rank. On some RTX 40-series drivers NCCL's
     P2P copies between cards return wrong data without an error; training would then go on with corrupted gradients.
-    Bus bandwidth as nccl-tests defines it: 2 (n-1)/n x bytes / seconds of an all-reduce, the best of 3."""
+    Bus bandwidth as nccl-tests defines it: bytes x 2 (n-1)/n (all-reduce) or (n-1)/n (the others) / seconds, the best
+    of 3; the backends differ in each (gloo's reduce-scatter runs at a fraction of its all-reduce)."""
     n, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
+    numel = (64 if device.type == "cuda" else 16) * 2**20 // 4
+
+    def best_s(op) -> float:
+        times = []
+        for _ in range(4):
+            accelerator.wait_for_everyone()
+            t0 = time.perf_counter()
+            op()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return min(times[1:])
+
+    buf, out = torch.ones(numel, device=device), torch.empty(numel, device=device)
+    links = {"memory": 2 * numel * 4 / best_s(lambda: out.copy_(buf)) / 1e9}
     if n == 1:
-        return 0.0
-    numel = (64 if device.type == "cuda" else 4) * 2**20 // 4
+        return links
+    check_link_content(accelerator, numel)
+    shard = torch.ones(numel // n, device=device)
+    ring = (n - 1) / n * numel * 4 / 1e9
+    links["all_reduce"] = 2 * ring / best_s(lambda: torch.distributed.all_reduce(buf))
+    links["all_gather"] = ring / best_s(
+        lambda: torch.distributed.all_gather_into_tensor(out[: shard.numel() * n], shard)
+    )
+    links["reduce_scatter"] = ring / best_s(
+        lambda: torch.distributed.reduce_scatter_tensor(shard, buf[: shard.numel() * n])
+    )
+    return links
+
+
+def check_link_content(accelerator, numel: int) -> None:
+    """Stop the run when an all-gather of rank-stamped integers arrives changed anywhere (see measure_links)."""
+    n, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
     stamp = torch.arange(numel, dtype=torch.int32, device=device)
     got = [torch.empty_like(stamp) for _ in range(n)]
     torch.distributed.all_gather(got, stamp * (rank + 1))
@@ -396,13 +429,3 @@ def measure_links(accelerator) -> float:
             + "): some RTX 40-series drivers' P2P copies return wrong data; launch with NCCL_P2P_DISABLE=1 in the "
             "environment, or update the driver"
         )
-    buf = torch.ones(numel, dtype=torch.float32, device=device)
-    times = []
-    for _ in range(4):
-        accelerator.wait_for_everyone()
-        t0 = time.perf_counter()
-        torch.distributed.all_reduce(buf)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return 2 * (n - 1) / n * numel * 4 / min(times[1:]) / 1e9

@@ -148,7 +148,10 @@ def train_py_rate(
     records = [r for r in lines if r.get("loss") is not None][1:]
     planned = re.search(r"^  step: .* = ([\d,]+) tokens/s", proc.stdout, re.MULTILINE)
     peak = re.search(r"peak ([\d.]+) TFLOP/s \(([^)]*)\)", proc.stdout)
-    link = re.search(r"over the link at ([\d.]+) GB/s \(measured", proc.stdout)
+    link = re.search(
+        r"all-reduce ([\d.]+), all-gather ([\d.]+), reduce-scatter ([\d.]+) GB/s, measured\) .* at ([\d.]+) GB/s",
+        proc.stdout,
+    )
     return {
         "tokens_per_s": sum(r["tokens_per_s"] for r in records) / len(records),
         "mfu": sum(r["mfu"] for r in records) / len(records),
@@ -158,7 +161,9 @@ def train_py_rate(
         "planned_tokens_per_s": float(planned.group(1).replace(",", "")) if planned else None,
         "peak_tflops": float(peak.group(1)) if peak else None,
         "peak_source": peak.group(2) if peak else None,
-        "link_gb_s": float(link.group(1)) if link else None,
+        "links": dict(zip(("all_reduce", "all_gather", "reduce_scatter", "memory"), map(float, link.groups())))
+        if link
+        else None,
         "accum": int(re.search(r"x (\d+) accumulation x", proc.stdout).group(1)),
     }
 

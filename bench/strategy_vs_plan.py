@@ -17,6 +17,7 @@ is only as good as it is on the machine that can measure it.
 """
 
 import argparse
+import dataclasses
 import statistics
 import tempfile
 from pathlib import Path
@@ -78,15 +79,17 @@ def main():
         mc = models.load_model_config(args.model_config, "", args.seq_len, token_data.read_meta(data))
     # What costs.step_costs reads of train.py's Config, at train.py's defaults (35% MFU, loss in chunks).
     cfg = SimpleNamespace(seq_len=args.seq_len, gradient_checkpointing=False, attn_implementation="sdpa",
-                          loss_chunk_tokens=DEFAULT_CHUNK_TOKENS, assumed_mfu=0.35)  # fmt: skip
-    link = statistics.median(r["link_gb_s"] for r in seen)
+                          loss_chunk_tokens=DEFAULT_CHUNK_TOKENS, assumed_mfu=0.35, gpu_memory_gib=24.0,
+                          host_memory_gib=0.0, interconnect_gb_s=1.0, pcie_gb_s=1.0, nvme_gb_s=1.0)  # fmt: skip
+    links = {k: statistics.median(r["links"][k] for r in seen) for k in seen[0]["links"]}
     peak = statistics.median(r["peak_tflops"] for r in seen) * 1e12 / 2
-    machine = costs.Machine(0, 1e6, link, 1, 1, peak * cfg.assumed_mfu, "measured")
+    launch = plan.Launch(2, 1, "fp32", args.accum, "none", False, False, 3)
+    machine = dataclasses.replace(costs.machine_for(cfg, launch, peak, links), host_memory_gib=1e6)
     for name, stage in (("ddp", 0), ("zero2", 2), ("zero3", 3)):
         launch = plan.Launch(2, 1, "fp32", args.accum, "none", False, False, stage)
         planned[name] = [costs.step_costs(mc, cfg, launch, args.batch, machine, 0)["tokens_per_s"]] * args.rounds
     result = {"model_config": args.model_config, "processes": 2, "micro_batch_size": args.batch,
-              "seq_len": args.seq_len, "accum": args.accum, "link_gb_s_median": link,
+              "seq_len": args.seq_len, "accum": args.accum, "measured_gb_s_medians": links,
               "matmul_tflops_median": 2 * peak / 1e12,
               "assumed_mfu": cfg.assumed_mfu}  # fmt: skip
     failures = []
