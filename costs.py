@@ -80,7 +80,8 @@ class Machine:
     scatter_gb_s: float  # reduce-scatter
     pcie_gb_s: float
     nvme_gb_s: float
-    memory_gb_s: float  # device memory, bytes read + written per second
+    memory_gb_s: float  # device memory, bytes read + written per second, into memory already held
+    fresh_memory_gb_s: float  # the same into a freshly allocated buffer
     flops_per_device: float
     link_source: str = "assumed"
 
@@ -236,19 +237,21 @@ def traffic(counts: dict, launch: Launch, gradient_checkpointing: bool) -> dict:
     moved = {"all_reduce": 0.0, "all_gather": 0.0, "reduce_scatter": 0.0}
     if stage == 0:
         moved["all_reduce"] = 2 * ring * 4 * p  # the fp32 gradients' all-reduce, once per step
-        copies = 4 * 4 * p
+        held, fresh = 4 * 4 * p, 0.0
     elif stage in (1, 2):
         # DeepSpeed's ZeRO-2 all-reduces each gradient bucket and keeps its partition (its default
         # use_multi_rank_bucket_allreduce), every micro-step; the updated parameters are all-gathered once.
         moved["all_reduce"] = accum * 2 * ring * param_b * p
         moved["all_gather"] = ring * param_b * p
-        copies = accum * (4 * param_b * p + 2 * param_b * p / n) + 2 * param_b * p
+        held = accum * (2 * param_b * p + 2 * param_b * p / n)
+        fresh = accum * 2 * param_b * p + 2 * param_b * p
     else:
         moved["all_gather"] = accum * gathers * ring * param_b * p
         moved["reduce_scatter"] = accum * ring * param_b * p
-        copies = accum * (gathers * param_b * p + 2 * param_b * p + 2 * param_b * p / n)
+        held = accum * 2 * param_b * p / n
+        fresh = accum * (gathers * param_b * p + 2 * param_b * p)
     if launch.offload_optimizer == "none":
-        copies += 28 * (p if stage == 0 else p / n)
+        held += 28 * (p if stage == 0 else p / n)
     pcie = 0.0
     if launch.offload_optimizer != "none":  # 16-bit gradients down every micro-step, updated parameters up once
         pcie += (accum + 1) * param_b * p / n
@@ -256,7 +259,7 @@ def traffic(counts: dict, launch: Launch, gradient_checkpointing: bool) -> dict:
         pcie += accum * gathers * param_b * p / n
     optim_b = 12 if param_b == 2 else 8
     nvme = 2 * optim_b * p / launch.nodes if launch.offload_optimizer == "nvme" else 0.0  # read and write every step
-    return {**moved, "link": sum(moved.values()), "pcie": pcie, "nvme": nvme, "memory": copies}
+    return {**moved, "link": sum(moved.values()), "pcie": pcie, "nvme": nvme, "memory": held, "memory_fresh": fresh}
 
 
 def step_costs(c, cfg, launch: Launch, micro_batch_size: int, machine: Machine, base_per_process: float) -> dict:
@@ -286,7 +289,7 @@ def step_costs(c, cfg, launch: Launch, micro_batch_size: int, machine: Machine, 
     seconds = {
         "compute_s": compute_s,
         "comm_s": comm_s,
-        "copies_s": moved["memory"] / (machine.memory_gb_s * 1e9),
+        "copies_s": (moved["memory"] / machine.memory_gb_s + moved["memory_fresh"] / machine.fresh_memory_gb_s) / 1e9,
         "offload_s": moved["pcie"] / (machine.pcie_gb_s * 1e9) + moved["nvme"] / (machine.nvme_gb_s * 1e9),
         "host_adam_s": adam_s,
     }
@@ -356,6 +359,7 @@ def machine_for(cfg, launch: Launch, peak_flops_per_device: float, links: dict |
         pcie_gb_s=cfg.pcie_gb_s,
         nvme_gb_s=cfg.nvme_gb_s,
         memory_gb_s=links.get("memory", RTX_4090_MEMORY_GB_S if launch.gpu else 10.0),
+        fresh_memory_gb_s=links.get("memory_fresh", RTX_4090_MEMORY_GB_S if launch.gpu else 4.0),
         flops_per_device=peak_flops_per_device * cfg.assumed_mfu,
         link_source="measured" if "all_reduce" in links else "assumed, --interconnect_gb_s",
     )
@@ -412,8 +416,9 @@ def plan_report(cfg, c, launch: Launch, machine: Machine, base: float, steps: in
         f"{costs['comm_s']:.2f} s for {moved['link'] / 1e9:.2f} GB per process over the link (all-reduce "
         f"{machine.link_gb_s:.3g}, all-gather {machine.gather_gb_s:.3g}, reduce-scatter {machine.scatter_gb_s:.3g} "
         "GB/s, "
-        f"{machine.link_source}) + {costs['copies_s']:.2f} s copying {moved['memory'] / 1e9:.2f} GB in device memory "
-        f"(optimizer step, gradient buckets, gathers) at {machine.memory_gb_s:.3g} GB/s"
+        f"{machine.link_source}) + {costs['copies_s']:.2f} s copying in device memory ({moved['memory'] / 1e9:.2f} GB "
+        f"in place at {machine.memory_gb_s:.3g} GB/s, {moved['memory_fresh'] / 1e9:.2f} GB into fresh buffers at "
+        f"{machine.fresh_memory_gb_s:.3g} GB/s)"
         + (f" + {costs['offload_s']:.2f} s offload" if costs["offload_s"] else "")
         + (f" + {costs['host_adam_s']:.2f} s host Adam" if costs["host_adam_s"] else "")
         + f" = {costs['tokens_per_s']:,.0f} tokens/s"

@@ -149,7 +149,8 @@ def train_py_rate(
     planned = re.search(r"^  step: .* = ([\d,]+) tokens/s", proc.stdout, re.MULTILINE)
     peak = re.search(r"peak ([\d.]+) TFLOP/s \(([^)]*)\)", proc.stdout)
     link = re.search(
-        r"all-reduce ([\d.]+), all-gather ([\d.]+), reduce-scatter ([\d.]+) GB/s, measured\) .* at ([\d.]+) GB/s",
+        r"all-reduce ([\d.]+), all-gather ([\d.]+), reduce-scatter ([\d.]+) GB/s, measured\) .* in place at ([\d.]+) "
+        r"GB/s, .* into fresh buffers at ([\d.]+) GB/s",
         proc.stdout,
     )
     return {
@@ -161,7 +162,9 @@ def train_py_rate(
         "planned_tokens_per_s": float(planned.group(1).replace(",", "")) if planned else None,
         "peak_tflops": float(peak.group(1)) if peak else None,
         "peak_source": peak.group(2) if peak else None,
-        "links": dict(zip(("all_reduce", "all_gather", "reduce_scatter", "memory"), map(float, link.groups())))
+        "links": dict(
+            zip(("all_reduce", "all_gather", "reduce_scatter", "memory", "memory_fresh"), map(float, link.groups()))
+        )
         if link
         else None,
         "accum": int(re.search(r"x (\d+) accumulation x", proc.stdout).group(1)),
