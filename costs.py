@@ -17,9 +17,9 @@ A step's time is compute + GPU-link traffic + PCIe offload traffic + NVMe + host
 upper bound, and on PCIe without P2P the links are what overlaps least. Traffic is counted per process as a ring moves
 it: an all-gather or reduce-scatter of S bytes puts (n-1)/n S on each link, an all-reduce twice that, and a bandwidth is
 the all-reduce bus bandwidth (what nccl-tests calls busbw; plan.measure_links measures it on the real process group).
-The recommendation is the fastest plan that fits, parameter offload only when nothing else does (see compare).
-What the count leaves out: the frameworks' own per-step overheads (ZeRO's hooks, flattening and copies), which on
-CPU processes cost more than their traffic (BENCHMARKS.md, strategy_vs_plan).
+The strategies' own copies (buckets, flattening, gathers) and the optimizer step are counted as bytes through device
+memory (traffic), at the two copy rates a run measures. The recommendation is the fastest plan that fits, parameter
+offload only when nothing else does (see compare). Checked against measurement: bench/strategy_vs_plan.py.
 """
 
 from __future__ import annotations
