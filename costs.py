@@ -556,8 +556,8 @@ def check_fits(run, accelerator, peak_flops: float, links: dict) -> None:
     fits = accelerator.reduce(torch.tensor([float(not fits)], device=accelerator.device), "sum").item() == 0
     if not fits and not cfg.ignore_memory_plan:
         raise UserError(
-            "the plan above does not fit this machine's GPU memory or host RAM; follow its advice, or pass "
-            "--ignore_memory_plan to try anyway"
+            "the plan above does not fit this machine's GPU memory or host RAM; follow its advice where it gives "
+            "one, lower --micro_batch_size or --seq_len, or pass --ignore_memory_plan to try anyway"
         )
 
 

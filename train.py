@@ -97,7 +97,7 @@ class Config:
     host_memory_gib: float = field(0.0, "host RAM per machine to plan for (0: this machine's)")
     gradient_accumulation_steps: int = field(0, "with --plan: accumulation to plan for (0: the accelerate config's); "
                                                 "a run takes it from the config or `accelerate launch` only")
-    ignore_memory_plan: bool = field(False, "start even when the plan says the model does not fit the GPUs")
+    ignore_memory_plan: bool = field(False, "start even when the plan says the run does not fit the GPUs or RAM")
     eval_at_start: bool = field(True, "validation loss of the initial weights at step 0 (--no_eval_at_start skips "
                                       "it)")
     log_with: str = field("", "extra tracker for accelerate, e.g. tensorboard")
