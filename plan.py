@@ -379,13 +379,13 @@ def measure_links(accelerator) -> dict:
     The check: an all-gather of rank-stamped integers, compared on every rank. On some RTX 40-series drivers NCCL's
     P2P copies between cards return wrong data without an error; training would then go on with corrupted gradients.
     Bus bandwidth as nccl-tests defines it: bytes x 2 (n-1)/n (all-reduce) or (n-1)/n (the others) / seconds, the best
-    of 3; the backends differ in each (gloo's reduce-scatter runs at a fraction of its all-reduce)."""
+    of 2 after a warm-up; the backends differ in each (gloo's reduce-scatter runs at a fraction of its all-reduce)."""
     n, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
     numel = (64 if device.type == "cuda" else 16) * 2**20 // 4  # the collectives' buffer; the copy's is 4x that
 
     def best_s(op) -> float:
         times = []
-        for _ in range(4):
+        for _ in range(3):
             accelerator.wait_for_everyone()
             t0 = time.perf_counter()
             op()

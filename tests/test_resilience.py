@@ -47,9 +47,12 @@ def test_nan_step_is_skipped_on_every_process(docs_data, tmp_path):
     for rank in range(3):
         before, after, later = (zero_state(ckpts / f"step_{s}", rank) for s in (4, 5, 6))
         assert before.keys() == after.keys() and before
+        # The last rank's flat partition holds each parameter's alignment padding: uninitialised memory, sometimes NaN
+        # bits (seen in CI), which torch.equal never calls equal. Padding or not, nothing may change.
         for name in before:
-            assert torch.equal(before[name], after[name]), (rank, name)
-        assert any(not torch.equal(after[n], later[n]) for n in after), rank  # step 6 trains again
+            torch.testing.assert_close(after[name], before[name], rtol=0, atol=0, equal_nan=True, msg=f"{rank} {name}")
+        same = [torch.equal(after[n].nan_to_num(), later[n].nan_to_num()) for n in after]
+        assert not all(same), rank  # step 6 trains again
     assert (out / "final").is_dir()
 
 
