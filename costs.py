@@ -518,17 +518,19 @@ def what_would_fit(c, cfg, launch: Launch, machine: Machine, base: float, rows: 
     while seq >= 128:
         changes.append((f"--seq_len {seq}", {"seq_len": seq}))
         seq //= 2
+    per_process = cfg.micro_batch_size * launch.grad_accum_steps
     for flag, change in changes:
         changed = dataclasses.replace(cfg, **change)
-        per_process = changed.micro_batch_size * launch.grad_accum_steps
-        for s in STRATEGIES:
-            micro, k = largest_fitting(c, changed, with_strategy(launch, s, 1), machine, base, per_process)
-            if k["fits"]:
-                options.append(f"{flag} ({s.config} --micro_batch_size {micro})")
-                break
-        else:
-            continue
-        break
+        fits = (
+            (s, micro)
+            for s in STRATEGIES
+            for micro, k in [largest_fitting(c, changed, with_strategy(launch, s, 1), machine, base, per_process)]
+            if k["fits"]
+        )
+        first = next(fits, None)
+        if first:
+            options.append(f"{flag} ({first[0].config} --micro_batch_size {first[1]})")
+            break
     if not options:
         return "not even with full offload at micro-batch 1: more GPUs, or a smaller model"
     return "would fit with " + ", or ".join(options)
