@@ -139,22 +139,29 @@ class ChunkedLinearNLL(torch.autograd.Function):
     """Summed NLL of `targets` (-100: not scored) under softmax(hidden @ weight.T), `chunk_tokens` rows at a time.
 
     A chunk's logits are computed in the weight's dtype, as the output layer computes them, and the softmax in fp32.
-    Forward keeps only each row's log-sum-exp; backward recomputes each chunk's logits, so the [tokens, vocabulary]
-    logits, their fp32 copy and their gradient never exist whole. The weight's gradient is accumulated in fp32.
+    Forward keeps each row's log-sum-exp and the last chunk's softmax; backward takes that chunk first and recomputes
+    the logits of the others, so the [tokens, vocabulary] logits, their fp32 copy and their gradient never exist whole.
+    Keeping the last chunk costs no peak memory (backward starts with this loss, where recomputing it would allocate
+    the same buffer) and saves its recomputation, one of the chunk's four matmuls with the output weight: all the
+    recomputation when the micro-batch is one chunk. The weight's gradient is accumulated in fp32.
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk_tokens: int):
         lse = torch.empty(len(hidden), dtype=torch.float32, device=hidden.device)
         total = torch.zeros((), dtype=torch.float64, device=hidden.device)
-        for start in range(0, len(hidden), chunk_tokens):
+        starts = range(0, len(hidden), chunk_tokens)
+        for start in starts:
             rows = slice(start, start + chunk_tokens)
             t = targets[rows]
             logits = (hidden[rows] @ weight.T).float()
             picked = logits.gather(1, t.clamp(min=0)[:, None])[:, 0]
             top = logits.amax(dim=-1)  # log-sum-exp in place: one chunk-sized buffer, not two
-            lse[rows] = logits.sub_(top[:, None]).exp_().sum(dim=-1).log_().add_(top)
+            sums = logits.sub_(top[:, None]).exp_().sum(dim=-1)
+            lse[rows] = sums.log().add_(top)
             total += torch.where(t != -100, lse[rows] - picked, 0.0).sum(dtype=torch.float64)
+            if start == starts[-1] and any(ctx.needs_input_grad[:2]):
+                ctx.last_softmax = logits.div_(sums[:, None])  # exp(logits - top) / sum: the softmax, in place
             del logits, picked, top  # before the next chunk's, or two chunks' logits are held at once
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.chunk_tokens = chunk_tokens
@@ -165,11 +172,13 @@ class ChunkedLinearNLL(torch.autograd.Function):
         hidden, weight, targets, lse = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for start in range(0, len(hidden), ctx.chunk_tokens):
+        for start in reversed(range(0, len(hidden), ctx.chunk_tokens)):  # the kept last chunk first, then freed
             rows = slice(start, start + ctx.chunk_tokens)
             t = targets[rows]
             # d NLL / d logits = softmax - one_hot(target), for scored rows only
-            grad = (hidden[rows] @ weight.T).float().sub_(lse[rows, None]).exp_()
+            grad, ctx.last_softmax = getattr(ctx, "last_softmax", None), None  # a second backward recomputes it
+            if grad is None:
+                grad = (hidden[rows] @ weight.T).float().sub_(lse[rows, None]).exp_()
             grad[torch.arange(len(t), device=t.device), t.clamp(min=0)] -= 1.0
             grad.mul_(torch.where(t != -100, grad_total.float(), 0.0)[:, None])
             grad = grad.to(hidden.dtype)
@@ -189,7 +198,7 @@ def loss_path(chunk_tokens: int, device: torch.device) -> str:
         return "full logits (--loss_chunk_tokens 0)"
     if _liger_loss(device) is not None:
         return "Liger Kernel's fused linear cross-entropy"
-    return f"output layer + cross-entropy in chunks of {chunk_tokens} tokens, logits recomputed in backward"
+    return f"output layer + cross-entropy in chunks of {chunk_tokens} tokens, all but the last recomputed in backward"
 
 
 def _liger_loss(device: torch.device):
