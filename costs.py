@@ -27,6 +27,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import torch
+
 import plan
 from cli import UserError
 from plan import FIT_FRACTION, GIB, Launch, is_moe, param_counts
@@ -84,6 +86,7 @@ class Machine:
     fresh_memory_gb_s: float  # the same into a freshly allocated buffer
     flops_per_device: float
     link_source: str = "assumed"
+    compute_source: str = ""
 
 
 def with_strategy(launch: Launch, s: Strategy, grad_accum_steps: int) -> Launch:
@@ -175,8 +178,8 @@ def loss_bytes(tokens: int, vocab: int, hidden: int, act_b: int, chunk_tokens: i
     """Peak bytes of the loss over the output layer in a micro-step of `tokens` tokens (lmloss.model_nll).
 
     Full logits (chunk_tokens 0): the logits in the activations' dtype, their fp32 log-softmax and its fp32 gradient.
-    In chunks: one chunk's fp32 logits (beside its 16-bit matmul result in mixed precision), recomputed in backward,
-    plus the fp32 accumulator of the output weight's gradient and one fp32 log-sum-exp per token."""
+    In chunks: one chunk's fp32 logits (beside its 16-bit matmul result in mixed precision), the last one kept for
+    backward and the others recomputed there (the same peak: backward starts with the loss), plus the fp32 accumulator of the output weight's gradient and one fp32 log-sum-exp per token."""
     if chunk_tokens == 0:
         return tokens * vocab * (act_b + 4 + 4)
     rows = min(chunk_tokens, tokens)
@@ -344,12 +347,18 @@ def strategy_name(launch: Launch) -> str:
 
 
 def machine_for(cfg, launch: Launch, peak_flops_per_device: float, links: dict | None = None,
-                gpu_memory_gib: float = 0.0) -> Machine:  # fmt: skip
+                gpu_memory_gib: float = 0.0, model_rate: float | None = None) -> Machine:  # fmt: skip
     """The Machine a plan of train.py's Config divides by: measured figures where given (links: plan.measure_links of
-    the run; gpu_memory_gib > 0: the device's), else the flags and, for the device's copy rate, the RTX 4090's
-    datasheet (or an assumed 10 GB/s for a CPU core)."""
+    the run; gpu_memory_gib > 0: the device's; model_rate: plan.measure_model_rate's FLOP/s), else the flags (compute:
+    --assumed_mfu of the peak) and, for the device's copy rate, the RTX 4090's datasheet (or an assumed 10 GB/s for a
+    CPU core)."""
     links = links or {}
     assumed = cfg.interconnect_gb_s
+    if model_rate:
+        flops, source = model_rate, f"measured on this model: {plan.MEASURED_RATE}"
+    else:
+        flops = peak_flops_per_device * cfg.assumed_mfu
+        source = f"{cfg.assumed_mfu:.0%} MFU of {peak_flops_per_device / 1e12:.3g} TFLOP/s"
     return Machine(
         gpu_memory_gib=gpu_memory_gib or cfg.gpu_memory_gib,
         host_memory_gib=cfg.host_memory_gib or plan.host_memory_gib(),
@@ -360,8 +369,9 @@ def machine_for(cfg, launch: Launch, peak_flops_per_device: float, links: dict |
         nvme_gb_s=cfg.nvme_gb_s,
         memory_gb_s=links.get("memory", RTX_4090_MEMORY_GB_S if launch.gpu else 10.0),
         fresh_memory_gb_s=links.get("memory_fresh", RTX_4090_MEMORY_GB_S if launch.gpu else 4.0),
-        flops_per_device=peak_flops_per_device * cfg.assumed_mfu,
+        flops_per_device=flops,
         link_source="measured" if "all_reduce" in links else "assumed, --interconnect_gb_s",
+        compute_source=source,
     )
 
 
@@ -412,7 +422,7 @@ def plan_report(cfg, c, launch: Launch, machine: Machine, base: float, steps: in
     )
     lines.append(
         f"  step: {costs['tokens']:,} tokens, {costs['step_s']:.2f} s = {costs['compute_s']:.2f} s compute at "
-        f"{cfg.assumed_mfu:.0%} MFU of {machine.flops_per_device / cfg.assumed_mfu / 1e12:.3g} TFLOP/s + "
+        f"{machine.flops_per_device / 1e12:.3g} TFLOP/s per {where} ({machine.compute_source}) + "
         f"{costs['comm_s']:.2f} s for {moved['link'] / 1e9:.2f} GB per process over the link (all-reduce "
         f"{machine.link_gb_s:.3g}, all-gather {machine.gather_gb_s:.3g}, reduce-scatter {machine.scatter_gb_s:.3g} "
         "GB/s, "
@@ -470,7 +480,7 @@ def compare(c, cfg, launch: Launch, machine: Machine, base: float) -> tuple[list
             f"{machine.link_gb_s:g} GB/s ({machine.link_source}), PCIe {machine.pcie_gb_s:g} GB/s, GPU memory "
             f"{machine.memory_gb_s:g} GB/s, NVMe "
             f"{machine.nvme_gb_s:g} GB/s; compute at {machine.flops_per_device / 1e12:.3g} TFLOP/s per GPU "
-            f"({cfg.assumed_mfu:.0%} MFU); host Adam at {HOST_ADAM_GB_S:g} GB/s (assumed); traffic per process and "
+            f"({machine.compute_source}); host Adam at {HOST_ADAM_GB_S:g} GB/s (assumed); traffic per process and "
             "optimizer step"
         ),
         header,
@@ -540,9 +550,7 @@ def check_fits(run, accelerator, peak_flops: float, links: dict) -> None:
     """Print the plan of this launch (run: train.py's Run); refuse to start when it does not fit the GPUs or the host
     RAM (unless --ignore_memory_plan)."""
     cfg, launch = run.cfg, run.launch
-    import torch
-
-    check_plan_flags(cfg)
+    plan.check_plan_flags(cfg)
     if cfg.gradient_accumulation_steps not in (0, launch.grad_accum_steps):
         raise UserError(
             f"--gradient_accumulation_steps {cfg.gradient_accumulation_steps} is for --plan; a run takes it from the "
@@ -551,7 +559,8 @@ def check_fits(run, accelerator, peak_flops: float, links: dict) -> None:
         )
 
     device_gib = torch.cuda.get_device_properties(accelerator.device).total_memory / GIB if launch.gpu else 0.0
-    machine = machine_for(cfg, launch, peak_flops / launch.world_size, links, device_gib)
+    rate = None if launch.gpu else plan.live_cpu_rate(accelerator, cfg, run.model_config, launch)
+    machine = machine_for(cfg, launch, peak_flops / launch.world_size, links, device_gib, rate)
     lines, fits = plan_report(cfg, run.model_config, launch, machine, plan.process_rss_gib() * GIB, run.total_steps)
     accelerator.print("\n".join(lines))
     # Each process plans on its own memory use: one verdict for all, or one would start while another stops.
@@ -563,29 +572,18 @@ def check_fits(run, accelerator, peak_flops: float, links: dict) -> None:
         )
 
 
-def check_plan_flags(cfg) -> None:
-    """The planner's own flags, in --plan and in a real run."""
-    for name in ("assumed_mfu", "interconnect_gb_s", "pcie_gb_s", "nvme_gb_s", "gpu_memory_gib"):
-        if not getattr(cfg, name) > 0:
-            raise UserError(f"--{name} {getattr(cfg, name)} must be positive")
-    for name in ("host_memory_gib", "gradient_accumulation_steps"):
-        if getattr(cfg, name) < 0:
-            raise UserError(f"--{name} {getattr(cfg, name)} must not be negative (0: the default)")
-    if cfg.compare and not cfg.plan:
-        raise UserError("--compare is a --plan option: python train.py --plan --compare ...")
-
-
 def print_plan(cfg, model_config) -> None:
     """`train.py --plan [--compare]`: the plan on paper for --accelerate_config (default: the CPU config, or the
     3-GPU ZeRO-3 config with --compare), with no process group and no GPU."""
-    check_plan_flags(cfg)
+    plan.check_plan_flags(cfg)
     default = "accelerate_configs/zero3_3gpu.yaml" if cfg.compare else "accelerate_configs/zero3_cpu.yaml"
     path = cfg.accelerate_config or default
     launch = plan.read_launch(path)
     if cfg.gradient_accumulation_steps:
         launch = dataclasses.replace(launch, grad_accum_steps=cfg.gradient_accumulation_steps)
     peak = plan.GPU_PEAK_FLOPS["RTX 4090"] if launch.gpu else 0.1e12  # the target card; a CPU core at ~100 GFLOP/s
-    machine = machine_for(cfg, launch, peak)
+    rate = None if launch.gpu else plan.paper_cpu_rate(cfg, model_config, launch)
+    machine = machine_for(cfg, launch, peak, model_rate=rate)
     base = GPU_PROCESS_HOST_GIB * GIB if launch.gpu else plan.process_rss_gib() * GIB
     if cfg.compare:
         if not launch.gpu or launch.nodes != 1 or launch.world_size != 3:

@@ -353,6 +353,88 @@ def measure_peak_flops(accelerator, precision: str) -> tuple[float, str]:
     return float(accelerator.reduce(local, "sum")), source
 
 
+# A CPU run times its own model for the plan (measure_model_rate) up to this many parameters in the 2-layer copy;
+# beyond it the copy would cost gigabytes and seconds, and the plan keeps --assumed_mfu of the timed matmul.
+MEASURED_COPY_MAX_PARAMS = 100e6
+MEASURED_RATE = "forward, loss and backward of 1 and 2 of its layers at this micro-batch and sequence, no ZeRO"
+
+
+def measure_model_rate(c, micro: int, seq_len: int, precision: str, attn: str) -> float | None:
+    """FLOP/s this process reaches on the model itself, for the plan's compute time on CPUs (where small models reach
+    a fraction of a big matmul's rate, and no fixed MFU fits them all): copies of the model with 1 and 2 decoder
+    layers, in the run's dtype, each timed over forward, full-logits cross-entropy and backward at the run's micro-batch
+    and sequence (best of 2 after a warm-up), the whole model's pass read as the 1-layer time + (layers - 1) x the
+    second layer's. It leaves out what ZeRO adds (gathers, hooks: the plan's link and copy terms) and the optimizer.
+    Call it on every process at once: on a CPU they share the cores. None for a copy over MEASURED_COPY_MAX_PARAMS."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision, torch.float32)
+    seconds = []
+    for layers in (1, 2):
+        small = copy.deepcopy(c)
+        small.num_hidden_layers = layers
+        if param_counts(small)["total"] > MEASURED_COPY_MAX_PARAMS:
+            return None
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(small, attn_implementation=attn, dtype=dtype)
+        ids = torch.randint(0, c.vocab_size, (micro, seq_len))
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            logits = model(input_ids=ids, use_cache=False).logits
+            torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids.flatten()).backward()
+            times.append(time.perf_counter() - t0)
+        seconds.append(min(times[1:]))
+        del model, logits
+    whole = seconds[0] + (c.num_hidden_layers - 1) * max(seconds[1] - seconds[0], 0.0)
+    return model_flops_per_token(c, seq_len) * micro * seq_len / whole
+
+
+def check_plan_flags(cfg) -> None:
+    """The planner's own flags, in --plan and in a real run."""
+    for name in ("assumed_mfu", "interconnect_gb_s", "pcie_gb_s", "nvme_gb_s", "gpu_memory_gib"):
+        if not getattr(cfg, name) > 0:
+            raise UserError(f"--{name} {getattr(cfg, name)} must be positive")
+    for name in ("host_memory_gib", "gradient_accumulation_steps"):
+        if getattr(cfg, name) < 0:
+            raise UserError(f"--{name} {getattr(cfg, name)} must not be negative (0: the default)")
+    if cfg.compare and not cfg.plan:
+        raise UserError("--compare is a --plan option: python train.py --plan --compare ...")
+
+
+def live_cpu_rate(accelerator, cfg, c, launch: Launch) -> float | None:
+    """measure_model_rate on every process of a CPU run at once; the mean over processes. The copies are plain
+    models: transformers builds every model partitioned while Accelerate's DeepSpeed config is registered with it
+    (Accelerate's zero3_init_context_manager(enable=False) re-registers it, so it does not stop that)."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    plugin = accelerator.state.deepspeed_plugin
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        rate = measure_model_rate(c, cfg.micro_batch_size, cfg.seq_len, launch.precision, cfg.attn_implementation)
+    finally:
+        if plugin is not None and plugin.dschf is not None:
+            hf_deepspeed.set_hf_deepspeed_config(plugin.dschf)
+    found = accelerator.gather(torch.tensor([rate or 0.0], device=accelerator.device))
+    return float(found.mean()) if bool((found > 0).all()) else None
+
+
+def paper_cpu_rate(cfg, c, launch: Launch) -> float | None:
+    """measure_model_rate for a CPU launch planned on paper, in this one process: as the launcher runs it, one thread
+    per process when there are several (torchrun's default), and the processes' share of this machine's cores."""
+    threads = torch.get_num_threads()
+    if launch.world_size > 1:
+        torch.set_num_threads(1)
+    try:
+        rate = measure_model_rate(c, cfg.micro_batch_size, cfg.seq_len, launch.precision, cfg.attn_implementation)
+    finally:
+        torch.set_num_threads(threads)
+    per_machine = launch.world_size // launch.nodes
+    return rate * min(1.0, len(os.sched_getaffinity(0)) / per_machine) if rate and per_machine > 1 else rate
+
+
 def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / GIB

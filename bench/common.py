@@ -148,6 +148,7 @@ def train_py_rate(
     records = [r for r in lines if r.get("loss") is not None][1:]
     planned = re.search(r"^  step: .* = ([\d,]+) tokens/s", proc.stdout, re.MULTILINE)
     peak = re.search(r"peak ([\d.]+) TFLOP/s \(([^)]*)\)", proc.stdout)
+    compute = re.search(r"^  step: .* compute at ([\d.e+-]+) TFLOP/s per \w+ \(([^)]*)\)", proc.stdout, re.MULTILINE)
     link = re.search(
         r"all-reduce ([\d.]+), all-gather ([\d.]+), reduce-scatter ([\d.]+) GB/s, measured\) .* in place at ([\d.]+) "
         r"GB/s, .* into fresh buffers at ([\d.]+) GB/s",
@@ -162,6 +163,8 @@ def train_py_rate(
         "planned_tokens_per_s": float(planned.group(1).replace(",", "")) if planned else None,
         "peak_tflops": float(peak.group(1)) if peak else None,
         "peak_source": peak.group(2) if peak else None,
+        "planned_compute_tflops": float(compute.group(1)) if compute else None,  # per process
+        "planned_compute_source": compute.group(2) if compute else None,
         "links": dict(
             zip(("all_reduce", "all_gather", "reduce_scatter", "memory", "memory_fresh"), map(float, link.groups()))
         )

@@ -178,6 +178,16 @@ def main():
                 f"{sp['ranking_measured']} measured, {sp['ranking_planned']} planned) | {r:.3f} | 0.75-1.25 | "
                 f"{'yes' if 0.75 <= r <= 1.25 else '**no**'} | {sp['machine']} | `{sp['command']}` |"
             )
+    if "precision" in results:  # the CPU plan on its measured compute rate (issue #26): within 1.5x either way
+        pr = results["precision"]
+        for p in ("fp32", "bf16", "fp16"):
+            r = pr.get(f"{p}_planned_over_measured")
+            if r is not None:
+                lines.append(
+                    f"| CPU plan's tokens/s (compute timed on the model) / measured, {p}, `small`, 3 CPU processes, "
+                    f"ZeRO-3 | {r:.3f} | 0.67-1.5 | {'yes' if 0.67 <= r <= 1.5 else '**no**'} | {pr['machine']} | "
+                    f"`{pr['command']}` |"
+                )
     lines += ["", (REPO / "bench" / "NOTES.md").read_text().strip(), ""]
     for name in ORDER:
         if name in results:

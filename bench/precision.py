@@ -7,8 +7,8 @@ python-docs with a BPE of 8192, 4 x 128 tokens per process and step, the precisi
 A precision the CPU lacks is left out and the row says why (fp16: oneDNN without fp16, where DeepSpeed refuses it;
 bf16: no AMX/AVX512-BF16, where it runs ~100x slower than fp32). Steady-state tokens/s skips the first log interval;
 the final validation loss is the run's last (the same 4,096 tokens in every precision). Beside them: the peak the run
-measured (a 1024x1024 matmul in the run's dtype), and the tokens/s the plan line predicted from it at --assumed_mfu,
-which for models this small is far from what the run does.
+measured (a 1024x1024 matmul in the run's dtype, what MFU is reported against), the compute rate the plan measured on
+the model itself (plan.measure_model_rate) and the tokens/s the plan line predicted from it, over the measured.
 """
 
 import argparse
@@ -60,7 +60,9 @@ def main():
             "median_tokens_per_s": statistics.median(x["tokens_per_s"] for x in rs),
             "final_val_loss": [x["final_val_loss"] for x in rs],
             "measured_peak_tflops": rs[0]["peak_tflops"],
+            "planned_compute_tflops_per_process": rs[0]["planned_compute_tflops"],
             "planned_tokens_per_s": rs[0]["planned_tokens_per_s"],
+            "planned_over_measured": statistics.median(x["planned_tokens_per_s"] / x["tokens_per_s"] for x in rs),
         }
         for p, rs in runs.items()
     }
@@ -72,6 +74,7 @@ def main():
             f"{args.rounds} rounds alternated",
             **{f"{p}": row for p, row in rows.items()},
             **{f"{p}_vs_fp32": row["median_tokens_per_s"] / fp32 for p, row in rows.items() if p != "fp32"},
+            **{f"{p}_planned_over_measured": row["planned_over_measured"] for p, row in rows.items()},
             "left_out": missing,
         },
     )

@@ -1,7 +1,7 @@
 """The strategy planner against measurement: DDP, ZeRO-2 and ZeRO-3 on the same 2 CPU processes, same model and
-global batch, measured tokens/s beside the planner's prediction (costs.step_costs) from the all-reduce bandwidth and
-the matmul rate the runs measured at start (medians over all runs, so that every strategy is planned on the same
-figures).
+global batch, measured tokens/s beside the planner's prediction (costs.step_costs) from the collectives' bandwidths,
+copy rates and compute rate on the model the runs measured at start (medians over all runs, so that every strategy
+is planned on the same figures).
 
     python bench/strategy_vs_plan.py [--model_config small] [--steps 16] [--rounds 2] [--seq_len 32 --batch 1 --accum 4]
 
@@ -77,21 +77,22 @@ def main():
                 measured[name].append(run["tokens_per_s"])
                 seen.append(run)
         mc = models.load_model_config(args.model_config, "", args.seq_len, token_data.read_meta(data))
-    # What costs.step_costs reads of train.py's Config, at train.py's defaults (35% MFU, loss in chunks).
+    # What costs.step_costs reads of train.py's Config, at train.py's defaults (loss in chunks); compute: the runs' rate.
     cfg = SimpleNamespace(seq_len=args.seq_len, gradient_checkpointing=False, attn_implementation="sdpa",
                           loss_chunk_tokens=DEFAULT_CHUNK_TOKENS, assumed_mfu=0.35, gpu_memory_gib=24.0,
                           host_memory_gib=0.0, interconnect_gb_s=1.0, pcie_gb_s=1.0, nvme_gb_s=1.0)  # fmt: skip
     links = {k: statistics.median(r["links"][k] for r in seen) for k in seen[0]["links"]}
     peak = statistics.median(r["peak_tflops"] for r in seen) * 1e12 / 2
+    rate = statistics.median(r["planned_compute_tflops"] for r in seen) * 1e12  # the runs' own, measured on the model
     launch = plan.Launch(2, 1, "fp32", args.accum, "none", False, False, 3)
-    machine = dataclasses.replace(costs.machine_for(cfg, launch, peak, links), host_memory_gib=1e6)
+    machine = dataclasses.replace(costs.machine_for(cfg, launch, peak, links, model_rate=rate), host_memory_gib=1e6)
     for name, stage in (("ddp", 0), ("zero2", 2), ("zero3", 3)):
         launch = plan.Launch(2, 1, "fp32", args.accum, "none", False, False, stage)
         planned[name] = [costs.step_costs(mc, cfg, launch, args.batch, machine, 0)["tokens_per_s"]] * args.rounds
     result = {"model_config": args.model_config, "processes": 2, "micro_batch_size": args.batch,
               "seq_len": args.seq_len, "accum": args.accum, "measured_gb_s_medians": links,
-              "matmul_tflops_median": 2 * peak / 1e12,
-              "assumed_mfu": cfg.assumed_mfu}  # fmt: skip
+              "matmul_tflops_median": 2 * peak / 1e12, "model_tflops_per_process_median": rate / 1e12,
+              "compute_source": seen[0]["planned_compute_source"]}  # fmt: skip
     failures = []
     for name in ("zero2", "zero3"):
         m = statistics.median(a / b for a, b in zip(measured[name], measured["ddp"]))

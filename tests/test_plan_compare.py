@@ -140,6 +140,21 @@ def test_a_run_needing_more_host_ram_than_the_machine_is_refused(docs_data, tmp_
     assert proc.returncode == 2 and len(errors) == 1 and "host RAM" in errors[0], proc.stdout + proc.stderr
     assert "does NOT fit: host needs" in proc.stdout
     assert not out.exists() or not any(out.iterdir())  # nothing written
+    # A CPU run's plan computes at the rate it timed on its own model (issue #26), not at an assumed MFU.
+    assert re.search(r"compute at [\d.e-]+ TFLOP/s per process \(measured on this model: ", proc.stdout), proc.stdout
+
+
+def test_cpu_plan_on_paper_times_the_model(capsys, monkeypatch):
+    """`--plan` for CPU processes times the model in this process (one thread for each of several processes, and
+    their share of the cores); past the size a copy may have, the plan falls back to --assumed_mfu of a nominal core."""
+    monkeypatch.chdir(REPO)
+    cfg = train.Config(plan=True, data_dir="none", model_config="tiny", seq_len=32, micro_batch_size=2)
+    assert train.run_plan(cfg) == 0  # the CPU config: 3 processes
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("  step:"))
+    assert float(re.search(r"compute at ([\d.e-]+) TFLOP/s per process \(measured on this model", line)[1]) > 0, line
+    monkeypatch.setattr(plan, "MEASURED_COPY_MAX_PARAMS", 0)
+    assert train.run_plan(cfg) == 0
+    assert "compute at 0.035 TFLOP/s per process (35% MFU of 0.1 TFLOP/s)" in capsys.readouterr().out
 
 
 def test_data_changed_on_the_link_stops_the_run_with_the_p2p_advice(docs_data, tmp_path):
