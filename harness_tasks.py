@@ -65,13 +65,17 @@ def _task_manager(include_path: str):
     return TaskManager(include_path=include_path or None)
 
 
-def unknown_task_error(name: str, manager, include_path: str) -> UserError:
-    close = difflib.get_close_matches(name, manager.all_tasks, n=5, cutoff=0.6)
-    hint = f"did you mean {', '.join(close)}?" if close else "lm_eval --tasks list prints them all"
+def unknown_task_error(names: list[str], manager, include_path: str) -> UserError:
+    """One line for every unknown name, each with its close matches."""
+    hints = []
+    for name in names:
+        close = difflib.get_close_matches(name, manager.all_tasks, n=5, cutoff=0.6)
+        hints.append(f"{name}: did you mean {', '.join(close)}?" if close else f"{name}: nothing close")
     where = f"lm-evaluation-harness or {include_path}" if include_path else "lm-evaluation-harness"
     return UserError(
-        f"--tasks {name}: no task, group or tag of that name in {where}; {hint} (a task of your own: its YAML "
-        f"file in a directory passed with --include_path)"
+        f"--tasks {','.join(names)}: no task, group or tag of {'that name' if len(names) == 1 else 'these names'} in "
+        f"{where} ({'; '.join(hints)}); lm_eval --tasks list prints them all (a task of your own: its YAML file in a "
+        f"directory passed with --include_path)"
     )
 
 
@@ -81,10 +85,26 @@ def dataset_name(name: str, manager) -> str:
     return dataset + f" ({cfg['dataset_name']})" if dataset and cfg.get("dataset_name") else dataset or "its dataset"
 
 
+def missing_data_files(name: str, manager) -> list[str]:
+    """The local files a task's YAML names in dataset_kwargs.data_files that do not exist (URLs and globs left out)."""
+    cfg = getattr(manager.task_index.get(name), "cfg", None) or {}
+    files = (cfg.get("dataset_kwargs") or {}).get("data_files") or []
+    files = files.values() if isinstance(files, dict) else [files]
+    paths = [p for f in files for p in ([f] if isinstance(f, str) else f) if isinstance(p, str)]
+    return [p for p in paths if "://" not in p and not any(c in p for c in "*?[") and not os.path.exists(p)]
+
+
 def dataset_error(failed: dict[str, Exception], manager) -> UserError:
     """The one line for tasks whose datasets cannot be loaded: which datasets, why, and how to get them."""
     from huggingface_hub import constants
 
+    missing = {name: missing_data_files(name, manager) for name in failed}
+    if any(missing.values()):  # a task of the user's own whose file moved: not a Hub problem, offline or not
+        which = "; ".join(f"{name}: {', '.join(paths)}" for name, paths in missing.items() if paths)
+        return UserError(
+            f"--tasks: data files named in the task YAML do not exist ({which}); fix data_files in the YAML under "
+            f"--include_path or restore the files"
+        )
     error = next(iter(failed.values()))
     reason = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
     offline = constants.is_offline_mode() or os.environ.get("HF_DATASETS_OFFLINE", "0").upper() in ("1", "ON", "YES")
@@ -105,9 +125,9 @@ def load_tasks(settings: TaskSettings):
     """The harness's TaskManager and the tasks it builds for the names, datasets loaded. Each name is loaded on its own
     so that every dataset that cannot be loaded is named, with its task, in the one error line."""
     manager = task_manager(settings.include_path)
-    for name in settings.names:
-        if name not in manager.task_index:
-            raise unknown_task_error(name, manager, settings.include_path)
+    unknown = [name for name in settings.names if name not in manager.task_index]
+    if unknown:
+        raise unknown_task_error(unknown, manager, settings.include_path)
     built, failed = [], {}
     for name in settings.names:
         try:

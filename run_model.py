@@ -123,6 +123,11 @@ def consolidated_model(ckpt: RunCheckpoint, dtype):
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             state_dict = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.path), tag=tag)
     except Exception as e:  # noqa: BLE001 - torch.load and DeepSpeed raise many kinds for one damaged shard
+        if not (ckpt.path / tag).is_dir():  # a running train.py deleted it (--keep_last) while it was read
+            raise UserError(
+                f"--model {ckpt.path} was removed while it was read: the run rotated it away (--keep_last); run "
+                f"again on a newer checkpoint, or on the run's directory for its newest"
+            ) from None
         raise UserError(
             f"--model {ckpt.path}: its ZeRO shards cannot be consolidated ({type(e).__name__}: "
             f"{str(e).splitlines()[0][:200] if str(e) else ''}); pass another checkpoint of the run"

@@ -190,12 +190,47 @@ def test_incomplete_checkpoints_are_refused_in_one_line(trained, tmp_path, capsy
         assert err.splitlines()[-1].startswith("error:") and len(err.splitlines()) <= 3, (case, err)
 
 
+def test_checkpoint_rotated_away_while_read(trained, docs_data, tmp_path, monkeypatch, capsys):
+    """A running train.py may delete the checkpoint eval.py is reading (--keep_last): the error says so and what to
+    do, not that the shards are damaged. The deletion is timed by wrapping DeepSpeed's consolidation; the read is
+    real."""
+    from deepspeed.utils import zero_to_fp32
+
+    out = tmp_path / "out"
+    shutil.copytree(trained, out, ignore=shutil.ignore_patterns("train", "final"))
+    (step,) = (out / "checkpoints").glob("step_*")
+    consolidate = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint
+
+    def rotated(path, **kw):
+        shutil.rmtree(step)
+        return consolidate(path, **kw)
+
+    monkeypatch.setattr(zero_to_fp32, "get_fp32_state_dict_from_zero_checkpoint", rotated)
+    local = ["--dataset", str(docs_data), "--split", "validation", "--max_documents", "1"]
+    assert ev.main(["--model", str(step), *local]) == 2
+    err = capsys.readouterr().err
+    assert f"error: --model {step} was removed while it was read: the run rotated it away" in err, err
+
+
 def test_unknown_task_and_dataset_out_of_reach(trained, task_dir, tmp_path, capsys):
     args = ["--model", str(trained / "final"), "--include_path", str(task_dir)]
-    assert ev.main([*args, "--tasks", "local_mc,hellaswg"]) == 2
+    assert ev.main([*args, "--tasks", "local_mc,hellaswg,arc_easyy"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --tasks hellaswg: no task") and "did you mean hellaswag" in err, err
-    assert err.count("\n") == 1
+    assert err.startswith("error: --tasks hellaswg,arc_easyy: no task") and "did you mean hellaswag" in err, err
+    assert "arc_easyy: did you mean arc_easy" in err and err.count("\n") == 1, err
+    # A task of one's own whose data file is gone: named as such, not as a Hub dataset out of reach.
+    moved = tmp_path / "moved_tasks"
+    moved.mkdir()
+    gone = tmp_path / "gone.jsonl"
+    (moved / "local_gone.yaml").write_text(
+        (task_dir / "local_mc.yaml")
+        .read_text()
+        .replace("task: local_mc", "task: local_gone")
+        .replace(str((task_dir / "local_mc.jsonl").resolve()), str(gone))
+    )
+    assert ev.main(["--model", str(trained / "final"), "--include_path", str(moved), "--tasks", "local_gone"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --tasks: data files named in the task YAML do not exist (local_gone: {gone})"), err
     # A fresh datasets cache and offline: the harness's own ARC task names its Hub dataset and how to get it.
     proc = run(
         [sys.executable, "eval.py", *args, "--tasks", "arc_easy,local_mc"],
