@@ -359,35 +359,43 @@ MEASURED_COPY_MAX_PARAMS = 100e6
 MEASURED_RATE = "forward, loss and backward of 1 and 2 of its layers at this micro-batch and sequence, no ZeRO"
 
 
-def measure_model_rate(c, micro: int, seq_len: int, precision: str, attn: str) -> float | None:
+def measure_model_rate(c, micro: int, seq_len: int, precision: str, attn: str, chunk: int) -> float | None:
     """FLOP/s this process reaches on the model itself, for the plan's compute time on CPUs (where small models reach
     a fraction of a big matmul's rate, and no fixed MFU fits them all): copies of the model with 1 and 2 decoder
-    layers, in the run's dtype, each timed over forward, full-logits cross-entropy and backward at the run's micro-batch
-    and sequence (best of 2 after a warm-up), the whole model's pass read as the 1-layer time + (layers - 1) x the
-    second layer's. It leaves out what ZeRO adds (gathers, hooks: the plan's link and copy terms) and the optimizer.
-    Call it on every process at once: on a CPU they share the cores. None for a copy over MEASURED_COPY_MAX_PARAMS."""
+    layers, in the run's dtype, each timed over forward, the run's loss (lmloss.model_nll, `chunk` tokens at a time)
+    and backward at the run's micro-batch and sequence (best of 2 after a warm-up), the whole model's pass read as the
+    1-layer time + (layers - 1) x the second layer's. It leaves out what ZeRO adds (gathers, hooks: the plan's link
+    and copy terms) and the optimizer. Call it on every process at once: on a CPU they share the cores. None for a
+    copy over MEASURED_COPY_MAX_PARAMS."""
     import copy
 
     from transformers import AutoModelForCausalLM
 
+    import lmloss
+
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision, torch.float32)
-    seconds = []
-    for layers in (1, 2):
-        small = copy.deepcopy(c)
+    copies = [copy.deepcopy(c) for _ in (1, 2)]
+    for layers, small in enumerate(copies, 1):
         small.num_hidden_layers = layers
-        if param_counts(small)["total"] > MEASURED_COPY_MAX_PARAMS:
-            return None
+    if param_counts(copies[1])["total"] > MEASURED_COPY_MAX_PARAMS:
+        return None
+    seconds = []
+    with torch.random.fork_rng():  # the run's random state stays as it was
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(small, attn_implementation=attn, dtype=dtype)
         ids = torch.randint(0, c.vocab_size, (micro, seq_len))
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            logits = model(input_ids=ids, use_cache=False).logits
-            torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids.flatten()).backward()
-            times.append(time.perf_counter() - t0)
-        seconds.append(min(times[1:]))
-        del model, logits
+        for small in copies:
+            try:
+                model = AutoModelForCausalLM.from_config(small, attn_implementation=attn, dtype=dtype)
+            except (ValueError, TypeError, IndexError):  # a config whose per-layer lists do not shrink: not timed
+                return None
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                nll, n = lmloss.model_nll(model, ids, ids, chunk)
+                (nll / n).backward()
+                times.append(time.perf_counter() - t0)
+            seconds.append(min(times[1:]))
+            del model, nll
     whole = seconds[0] + (c.num_hidden_layers - 1) * max(seconds[1] - seconds[0], 0.0)
     return model_flops_per_token(c, seq_len) * micro * seq_len / whole
 
@@ -413,7 +421,8 @@ def live_cpu_rate(accelerator, cfg, c, launch: Launch) -> float | None:
     plugin = accelerator.state.deepspeed_plugin
     hf_deepspeed.unset_hf_deepspeed_config()
     try:
-        rate = measure_model_rate(c, cfg.micro_batch_size, cfg.seq_len, launch.precision, cfg.attn_implementation)
+        rate = measure_model_rate(c, cfg.micro_batch_size, cfg.seq_len, launch.precision, cfg.attn_implementation,
+                                  cfg.loss_chunk_tokens)  # fmt: skip
     finally:
         if plugin is not None and plugin.dschf is not None:
             hf_deepspeed.set_hf_deepspeed_config(plugin.dschf)
@@ -428,7 +437,8 @@ def paper_cpu_rate(cfg, c, launch: Launch) -> float | None:
     if launch.world_size > 1:
         torch.set_num_threads(1)
     try:
-        rate = measure_model_rate(c, cfg.micro_batch_size, cfg.seq_len, launch.precision, cfg.attn_implementation)
+        rate = measure_model_rate(c, cfg.micro_batch_size, cfg.seq_len, launch.precision, cfg.attn_implementation,
+                                  cfg.loss_chunk_tokens)  # fmt: skip
     finally:
         torch.set_num_threads(threads)
     per_machine = launch.world_size // launch.nodes

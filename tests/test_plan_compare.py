@@ -152,6 +152,11 @@ def test_cpu_plan_on_paper_times_the_model(capsys, monkeypatch):
     assert train.run_plan(cfg) == 0  # the CPU config: 3 processes
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("  step:"))
     assert float(re.search(r"compute at ([\d.e-]+) TFLOP/s per process \(measured on this model", line)[1]) > 0, line
+    import torch
+
+    state = torch.get_rng_state()  # the timing leaves the run's random state alone
+    assert plan.measure_model_rate(models.load_model_config("tiny", "", 32, None), 2, 32, "fp32", "sdpa", 16) > 0
+    assert torch.equal(state, torch.get_rng_state())
     monkeypatch.setattr(plan, "MEASURED_COPY_MAX_PARAMS", 0)
     assert train.run_plan(cfg) == 0
     assert "compute at 0.035 TFLOP/s per process (35% MFU of 0.1 TFLOP/s)" in capsys.readouterr().out
