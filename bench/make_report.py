@@ -22,6 +22,7 @@ ORDER = [
     "planner_memory",
     "precision",
     "loss_memory",
+    "tasks_beside_training",
 ]
 # (result, what, key, target): a ratio is "at least" its target; a negative target -t means "at most" t.
 SUMMARY = [
@@ -71,6 +72,12 @@ SUMMARY = [
         1.0,
     ),
     ("train_throughput", "train.py (1 process) / bare PyTorch loop (tokens/s)", "ratio_train_py_vs_bare", 0.9),
+    (
+        "tasks_beside_training",
+        "train.py with eval.py --tasks scoring its checkpoint beside it / alone, 3 CPU processes (tokens/s)",
+        "ratio_beside_vs_alone",
+        0.95,
+    ),
     ("train_throughput", "CPU MFU of train.py on the ~30M `small` preset (vs timed fp32 matmul)", "mfu_train_py", 0.5),
     ("eval_throughput", "eval.py / bare no_grad forward loop (tokens/s)", "ratio", 0.9),
     (
