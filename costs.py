@@ -559,9 +559,10 @@ def check_fits(run, accelerator, peak_flops: float, links: dict) -> None:
         )
 
     device_gib = torch.cuda.get_device_properties(accelerator.device).total_memory / GIB if launch.gpu else 0.0
+    base = plan.process_rss_gib() * GIB  # before the timing below, whose copies' memory the process may keep
     rate = None if launch.gpu else plan.live_cpu_rate(accelerator, cfg, run.model_config, launch)
     machine = machine_for(cfg, launch, peak_flops / launch.world_size, links, device_gib, rate)
-    lines, fits = plan_report(cfg, run.model_config, launch, machine, plan.process_rss_gib() * GIB, run.total_steps)
+    lines, fits = plan_report(cfg, run.model_config, launch, machine, base, run.total_steps)
     accelerator.print("\n".join(lines))
     # Each process plans on its own memory use: one verdict for all, or one would start while another stops.
     fits = accelerator.reduce(torch.tensor([float(not fits)], device=accelerator.device), "sum").item() == 0
@@ -582,9 +583,9 @@ def print_plan(cfg, model_config) -> None:
     if cfg.gradient_accumulation_steps:
         launch = dataclasses.replace(launch, grad_accum_steps=cfg.gradient_accumulation_steps)
     peak = plan.GPU_PEAK_FLOPS["RTX 4090"] if launch.gpu else 0.1e12  # the target card; a CPU core at ~100 GFLOP/s
+    base = GPU_PROCESS_HOST_GIB * GIB if launch.gpu else plan.process_rss_gib() * GIB  # before the timing
     rate = None if launch.gpu else plan.paper_cpu_rate(cfg, model_config, launch)
     machine = machine_for(cfg, launch, peak, model_rate=rate)
-    base = GPU_PROCESS_HOST_GIB * GIB if launch.gpu else plan.process_rss_gib() * GIB
     if cfg.compare:
         if not launch.gpu or launch.nodes != 1 or launch.world_size != 3:
             raise UserError(

@@ -14,7 +14,7 @@ import difflib
 import functools
 import json
 import logging
-import os
+import re
 from pathlib import Path
 
 from cli import UserError
@@ -85,40 +85,39 @@ def dataset_name(name: str, manager) -> str:
     return dataset + f" ({cfg['dataset_name']})" if dataset and cfg.get("dataset_name") else dataset or "its dataset"
 
 
-def missing_data_files(name: str, manager) -> list[str]:
-    """The local files a task's YAML names in dataset_kwargs.data_files that do not exist (URLs and globs left out)."""
-    cfg = getattr(manager.task_index.get(name), "cfg", None) or {}
-    files = (cfg.get("dataset_kwargs") or {}).get("data_files") or []
-    files = files.values() if isinstance(files, dict) else [files]
-    paths = [p for f in files for p in ([f] if isinstance(f, str) else f) if isinstance(p, str)]
-    return [p for p in paths if "://" not in p and not any(c in p for c in "*?[") and not os.path.exists(p)]
+def failure(error: BaseException) -> tuple[str, str]:
+    """(kind, what happened) of a task whose dataset could not be loaded: kind "hub" (not cached and the Hub out of
+    reach), "files" (a data file of the task's YAML missing, matching nothing, or not parseable) or "other"."""
+    text = str(error).splitlines()[0][:200] if str(error) else ""
+    if isinstance(error, ConnectionError) or "Couldn't reach" in text:
+        return "hub", f"not cached, and the Hub out of reach: {text}"
+    found = re.search(r"Unable to find '([^']*)'", text) if isinstance(error, FileNotFoundError) else None
+    if found:
+        return "files", f"no file {found[1]}"
+    if isinstance(error, StopIteration):  # what datasets raises for a data_files pattern that matches nothing
+        return "files", "no file matches its data_files"
+    cause = error.__cause__ or error.__context__
+    if type(error).__name__ == "DatasetGenerationError" and cause is not None:  # a local file that does not parse
+        reason = str(cause).splitlines()[0][:200] if str(cause) else ""
+        return "files", f"a data file cannot be parsed ({type(cause).__name__}: {reason})"
+    return "other", f"{type(error).__name__}: {text}"
 
 
-def dataset_error(failed: dict[str, Exception], manager) -> UserError:
-    """The one line for tasks whose datasets cannot be loaded: which datasets, why, and how to get them."""
-    from huggingface_hub import constants
+FIXES = {
+    "hub": "run this once where the Hub is reachable, with HF_HUB_OFFLINE=0 HF_DATASETS_OFFLINE=0, to cache them, or "
+    "copy the data to local files and define the tasks over them in YAML files under --include_path DIR",
+    "files": "check dataset_path and data_files in the task's YAML under --include_path (names are relative to "
+    "dataset_path when it is a directory) and the files themselves",
+    "other": "check the tasks' dataset_path and data_files, or pass tasks of your own with --include_path DIR",
+}
 
-    missing = {name: missing_data_files(name, manager) for name in failed}
-    if any(missing.values()):  # a task of the user's own whose file moved: not a Hub problem, offline or not
-        which = "; ".join(f"{name}: {', '.join(paths)}" for name, paths in missing.items() if paths)
-        return UserError(
-            f"--tasks: data files named in the task YAML do not exist ({which}); fix data_files in the YAML under "
-            f"--include_path or restore the files"
-        )
-    error = next(iter(failed.values()))
-    reason = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
-    offline = constants.is_offline_mode() or os.environ.get("HF_DATASETS_OFFLINE", "0").upper() in ("1", "ON", "YES")
-    if offline or any("Couldn't reach" in str(e) for e in failed.values()):
-        fix = (
-            "they are not in the local datasets cache and the Hub is off limits (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE "
-            "set, or no network): run this once where the Hub is reachable, with HF_HUB_OFFLINE=0 "
-            "HF_DATASETS_OFFLINE=0, to cache them, or copy the data to local files and define the tasks over them "
-            "in YAML files under --include_path DIR"
-        )
-    else:
-        fix = "check the tasks' dataset_path and data_files, or pass tasks of your own with --include_path DIR"
-    which = ", ".join(f"{name}: {dataset_name(name, manager)}" for name in failed)
-    return UserError(f"--tasks: the datasets of {which} cannot be loaded (the first: {reason}); {fix}")
+
+def dataset_error(failed: dict[str, BaseException], manager) -> UserError:
+    """The one line for every task whose dataset cannot be loaded: which dataset, what happened, how to fix it."""
+    found = {name: failure(e) for name, e in failed.items()}
+    which = "; ".join(f"{name}: {dataset_name(name, manager)}: {what}" for name, (_, what) in found.items())
+    kinds = dict.fromkeys(kind for kind, _ in found.values())  # in order, once each
+    return UserError(f"--tasks: datasets cannot be loaded ({which}); {'; '.join(FIXES[k] for k in kinds)}")
 
 
 def load_tasks(settings: TaskSettings):
@@ -132,7 +131,7 @@ def load_tasks(settings: TaskSettings):
     for name in settings.names:
         try:
             loaded = manager.load([name])
-        except Exception as e:  # noqa: BLE001 - datasets raises ConnectionError, FileNotFoundError, ValueError, ...
+        except Exception as e:  # noqa: BLE001 - datasets raises ConnectionError, FileNotFoundError, StopIteration, ...
             failed[name] = e
             continue
         if name in loaded["groups"]:

@@ -356,15 +356,17 @@ def measure_peak_flops(accelerator, precision: str) -> tuple[float, str]:
 # A CPU run times its own model for the plan (measure_model_rate) up to this many parameters in the 2-layer copy;
 # beyond it the copy would cost gigabytes and seconds, and the plan keeps --assumed_mfu of the timed matmul.
 MEASURED_COPY_MAX_PARAMS = 100e6
-MEASURED_RATE = "forward, loss and backward of 1 and 2 of its layers at this micro-batch and sequence, no ZeRO"
+MEASURED_RATE = "forward, loss and backward of 1 and 2 of its layers at this sequence and dtype, no ZeRO"
+# ... over at most this many tokens (whole sequences, at least one): the rate, not the run's memory, is measured.
+MEASURED_TOKENS = 4096
 
 
 def measure_model_rate(c, micro: int, seq_len: int, precision: str, attn: str, chunk: int) -> float | None:
     """FLOP/s this process reaches on the model itself, for the plan's compute time on CPUs (where small models reach
     a fraction of a big matmul's rate, and no fixed MFU fits them all): copies of the model with 1 and 2 decoder
     layers, in the run's dtype, each timed over forward, the run's loss (lmloss.model_nll, `chunk` tokens at a time)
-    and backward at the run's micro-batch and sequence (best of 2 after a warm-up), the whole model's pass read as the
-    1-layer time + (layers - 1) x the second layer's. It leaves out what ZeRO adds (gathers, hooks: the plan's link
+    and backward at the run's sequence and micro-batch, capped at MEASURED_TOKENS (best of 2 after a warm-up), the
+    whole model's pass read as the 1-layer time + (layers - 1) x the second layer's. It leaves out what ZeRO adds (gathers, hooks: the plan's link
     and copy terms) and the optimizer. Call it on every process at once: on a CPU they share the cores. None for a
     copy over MEASURED_COPY_MAX_PARAMS."""
     import copy
@@ -382,6 +384,7 @@ def measure_model_rate(c, micro: int, seq_len: int, precision: str, attn: str, c
     seconds = []
     with torch.random.fork_rng():  # the run's random state stays as it was
         torch.manual_seed(0)
+        micro = max(1, min(micro, MEASURED_TOKENS // seq_len))
         ids = torch.randint(0, c.vocab_size, (micro, seq_len))
         for small in copies:
             try:

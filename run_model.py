@@ -102,16 +102,31 @@ def tokenizer_dir(name: str, ckpt: Path, state: dict) -> Path:
     )
 
 
+def rotated_away(path: Path) -> UserError:
+    """A checkpoint found complete that is gone when read: a running train.py deleted it (--keep_last)."""
+    return UserError(
+        f"--model {path} was removed while it was read: the run rotated it away (--keep_last); run again on a newer "
+        f"checkpoint, or on the run's directory for its newest"
+    )
+
+
 def consolidated_model(ckpt: RunCheckpoint, dtype):
     """The model of a checkpoint: its model_config.json and the fp32 weights DeepSpeed consolidates from the ZeRO shards
     in memory, loaded by transformers as from_pretrained loads an export (its weight-name conversions included).
     Returns (model, transformers' loading info: missing, unexpected and mismatched tensors)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    config = checkpoint.read_model_config(ckpt.path)
+    try:
+        config = checkpoint.read_model_config(ckpt.path)
+    except UserError:
+        if not ckpt.path.is_dir():
+            raise rotated_away(ckpt.path) from None
+        raise
     tag = ckpt.path / "latest"
     tag = tag.read_text().strip() if tag.is_file() else "pytorch_model"
     if not (ckpt.path / tag).is_dir():
+        if not ckpt.path.is_dir():
+            raise rotated_away(ckpt.path)
         raise UserError(
             f"--model {ckpt.path} has no ZeRO shards ({tag}/ is missing); it was not written by a DeepSpeed run of "
             f"train.py: pass a checkpoints/step_N directory of one"
@@ -123,11 +138,8 @@ def consolidated_model(ckpt: RunCheckpoint, dtype):
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             state_dict = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.path), tag=tag)
     except Exception as e:  # noqa: BLE001 - torch.load and DeepSpeed raise many kinds for one damaged shard
-        if not (ckpt.path / tag).is_dir():  # a running train.py deleted it (--keep_last) while it was read
-            raise UserError(
-                f"--model {ckpt.path} was removed while it was read: the run rotated it away (--keep_last); run "
-                f"again on a newer checkpoint, or on the run's directory for its newest"
-            ) from None
+        if not (ckpt.path / tag).is_dir():
+            raise rotated_away(ckpt.path) from None
         raise UserError(
             f"--model {ckpt.path}: its ZeRO shards cannot be consolidated ({type(e).__name__}: "
             f"{str(e).splitlines()[0][:200] if str(e) else ''}); pass another checkpoint of the run"

@@ -210,6 +210,15 @@ def test_checkpoint_rotated_away_while_read(trained, docs_data, tmp_path, monkey
     assert ev.main(["--model", str(step), *local]) == 2
     err = capsys.readouterr().err
     assert f"error: --model {step} was removed while it was read: the run rotated it away" in err, err
+    # Deleted after it was found complete and before its config was read (a review found that called unreadable).
+    import checkpoint
+
+    shutil.copytree(trained / "checkpoints", out / "checkpoints", dirs_exist_ok=True)
+    read_config = checkpoint.read_model_config
+    monkeypatch.setattr(checkpoint, "read_model_config", lambda path: shutil.rmtree(path) or read_config(path))
+    assert ev.main(["--model", str(step), *local]) == 2
+    err = capsys.readouterr().err
+    assert f"error: --model {step} was removed while it was read: the run rotated it away" in err, err
 
 
 def test_unknown_task_and_dataset_out_of_reach(trained, task_dir, tmp_path, capsys):
@@ -218,19 +227,21 @@ def test_unknown_task_and_dataset_out_of_reach(trained, task_dir, tmp_path, caps
     err = capsys.readouterr().err
     assert err.startswith("error: --tasks hellaswg,arc_easyy: no task") and "did you mean hellaswag" in err, err
     assert "arc_easyy: did you mean arc_easy" in err and err.count("\n") == 1, err
-    # A task of one's own whose data file is gone: named as such, not as a Hub dataset out of reach.
+    # Tasks of one's own whose data file is gone, or does not parse: each named, as such, not as a Hub problem.
     moved = tmp_path / "moved_tasks"
     moved.mkdir()
-    gone = tmp_path / "gone.jsonl"
-    (moved / "local_gone.yaml").write_text(
-        (task_dir / "local_mc.yaml")
-        .read_text()
-        .replace("task: local_mc", "task: local_gone")
-        .replace(str((task_dir / "local_mc.jsonl").resolve()), str(gone))
-    )
-    assert ev.main(["--model", str(trained / "final"), "--include_path", str(moved), "--tasks", "local_gone"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith(f"error: --tasks: data files named in the task YAML do not exist (local_gone: {gone})"), err
+    gone, bad = tmp_path / "gone.jsonl", tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "torn')
+    for name, data in (("local_gone", gone), ("local_bad", bad)):
+        yaml = (task_dir / "local_mc.yaml").read_text().replace("task: local_mc", f"task: {name}")
+        (moved / f"{name}.yaml").write_text(yaml.replace(str((task_dir / "local_mc.jsonl").resolve()), str(data)))
+    code = ev.main(["--model", str(trained / "final"), "--include_path", str(moved), "--tasks", "local_gone,local_bad"])
+    err = capsys.readouterr().err  # before the one error line, datasets' own progress and parse-error log lines
+    assert code == 2 and [line for line in err.splitlines() if line.startswith("error:")] == [err.splitlines()[-1]]
+    err = err.splitlines()[-1]
+    assert err.startswith(f"error: --tasks: datasets cannot be loaded (local_gone: json: no file {gone}; "), err
+    assert "local_bad: json: a data file cannot be parsed (" in err and "check dataset_path and data_files" in err
+    assert "Hub" not in err, err
     # A fresh datasets cache and offline: the harness's own ARC task names its Hub dataset and how to get it.
     proc = run(
         [sys.executable, "eval.py", *args, "--tasks", "arc_easy,local_mc"],
@@ -239,7 +250,9 @@ def test_unknown_task_and_dataset_out_of_reach(trained, task_dir, tmp_path, caps
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
-    assert line.startswith("error: --tasks: the datasets of arc_easy: allenai/ai2_arc (ARC-Easy) cannot be loaded")
+    assert line.startswith(
+        "error: --tasks: datasets cannot be loaded (arc_easy: allenai/ai2_arc (ARC-Easy): not cached, and the Hub out "
+    ), line
     assert "HF_DATASETS_OFFLINE=0" in line and "--include_path" in line, line
 
 

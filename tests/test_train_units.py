@@ -5,6 +5,7 @@ import dataclasses
 import math
 
 import pytest
+import torch
 
 import checkpoint
 import cli
@@ -195,3 +196,15 @@ def test_given_fields_sees_abbreviations_and_bools():
         "lr",
     }
     assert cli.given_fields(train.Config, []) == set()
+
+
+def test_optimizer_stays_fused_after_loading_an_older_checkpoint():
+    """A checkpoint saved before AdamW was fused holds fused=None in its groups; loading it must not turn it off (a
+    review found resumed runs back on the per-element loop)."""
+    model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.LayerNorm(4))
+    optimizer = train.make_optimizer(model, train.Config())
+    older = optimizer.state_dict()
+    for group in older["param_groups"]:
+        group["fused"] = None
+    optimizer.load_state_dict(older)
+    assert [g["fused"] for g in optimizer.param_groups] == [True, True]
