@@ -12,7 +12,8 @@ model itself leaves to the trainer.
 - MaxVio = max load / mean load - 1 per layer and step (the report's measure of imbalance).
 
 Loads and the auxiliary loss are taken by forward hooks on the routers, only inside `collecting()`: the training
-forward, not validation and not the forward that gradient checkpointing recomputes during backward.
+forward, not validation and not the forward that gradient checkpointing recomputes during backward (which builds the
+same graph, unrecorded).
 """
 
 from __future__ import annotations
@@ -52,17 +53,24 @@ class LoadBalancer:
 
     def _hook(self, layer: int):
         def hook(module, args, output):
-            if not self._collecting:
+            # The loss's graph is built whenever gradients are on, recorded only inside collecting(): the forward that
+            # gradient checkpointing recomputes in backward must save the tensors the original forward saved, or
+            # torch stops the backward (CheckpointError: a different number of tensors was saved).
+            build = self.alpha > 0 and torch.is_grad_enabled()
+            if not (self._collecting or build):
                 return
             router_logits, _, topk_indices = output
             chosen = F.one_hot(topk_indices, self.n_experts).sum(1).float()  # tokens x experts, 0/1
-            self.loads[layer] += chosen.sum(0).detach()
-            if self.alpha > 0:
+            if self._collecting:
+                self.loads[layer] += chosen.sum(0).detach()
+            if build:
                 batch, seq_len = args[0].shape[:2]
                 scores = router_logits.float().sigmoid()
                 affinity = (scores / scores.sum(-1, keepdim=True)).view(batch, seq_len, -1).mean(1)  # P_i
                 share = chosen.view(batch, seq_len, -1).sum(1) * self.n_experts / (self.top_k * seq_len)  # f_i
-                self.aux_terms.append((share * affinity).sum(-1).mean())
+                term = (share * affinity).sum(-1).mean()
+                if self._collecting:
+                    self.aux_terms.append(term)
 
         return hook
 

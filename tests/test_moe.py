@@ -129,3 +129,29 @@ def test_init_from_a_moe_model_starts_at_its_loss(moe_ref, docs_data, tmp_path):
     start = [r for r in metrics(out) if "val_loss" in r][0]
     source = [r for r in metrics(moe_ref[0]) if "val_loss" in r][-1]
     assert start["step"] == 0 and start["val_loss"] == pytest.approx(source["val_loss"], rel=1e-5)
+
+
+def test_gradient_checkpointing_with_the_balance_loss():
+    """The routers' hook builds the sequence-wise loss in the forward that gradient checkpointing recomputes too (a
+    review found every MoE run with --gradient_checkpointing stopped by torch's CheckpointError at step 1): gradients
+    and loads with checkpointing equal those without, exactly."""
+    import lmloss
+    import moe
+    from transformers import AutoModelForCausalLM
+
+    def step(checkpointing: bool):
+        torch.manual_seed(0)
+        c = models.load_model_config("deepseek-v3-tiny", "", 32, None)
+        model = AutoModelForCausalLM.from_config(c, attn_implementation="sdpa", dtype=torch.float32).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        balancer = moe.LoadBalancer(model, 0.001, 0.0001)
+        ids = torch.randint(0, c.vocab_size, (2, 32))
+        with balancer.collecting():
+            nll, n = lmloss.model_nll(model, ids, ids, 1024)
+        (nll / n + balancer.aux_loss()).backward()
+        return {k: p.grad for k, p in model.named_parameters() if p.grad is not None}, balancer.loads
+
+    (plain, plain_loads), (recomputed, recomputed_loads) = step(False), step(True)
+    assert plain.keys() == recomputed.keys() and any("gate" in k for k in plain)
+    assert all(torch.equal(plain[k], recomputed[k]) for k in plain) and torch.equal(plain_loads, recomputed_loads)
