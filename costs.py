@@ -179,7 +179,8 @@ def loss_bytes(tokens: int, vocab: int, hidden: int, act_b: int, chunk_tokens: i
 
     Full logits (chunk_tokens 0): the logits in the activations' dtype, their fp32 log-softmax and its fp32 gradient.
     In chunks: one chunk's fp32 logits (beside its 16-bit matmul result in mixed precision), the last one kept for
-    backward and the others recomputed there (the same peak: backward starts with the loss), plus the fp32 accumulator of the output weight's gradient and one fp32 log-sum-exp per token."""
+    backward and the others recomputed there (the same peak: backward starts with the loss), plus the fp32
+    accumulator of the output weight's gradient and one fp32 log-sum-exp per token."""
     if chunk_tokens == 0:
         return tokens * vocab * (act_b + 4 + 4)
     rows = min(chunk_tokens, tokens)

@@ -366,9 +366,9 @@ def measure_model_rate(c, micro: int, seq_len: int, precision: str, attn: str, c
     a fraction of a big matmul's rate, and no fixed MFU fits them all): copies of the model with 1 and 2 decoder
     layers, in the run's dtype, each timed over forward, the run's loss (lmloss.model_nll, `chunk` tokens at a time)
     and backward at the run's sequence and micro-batch, capped at MEASURED_TOKENS (best of 2 after a warm-up), the
-    whole model's pass read as the 1-layer time + (layers - 1) x the second layer's. It leaves out what ZeRO adds (gathers, hooks: the plan's link
-    and copy terms) and the optimizer. Call it on every process at once: on a CPU they share the cores. None for a
-    copy over MEASURED_COPY_MAX_PARAMS."""
+    whole model's pass read as the 1-layer time + (layers - 1) x the second layer's. It leaves out what ZeRO adds
+    (gathers, hooks: the plan's link and copy terms) and the optimizer. Call it on every process at once: on a CPU
+    they share the cores. None for a copy over MEASURED_COPY_MAX_PARAMS."""
     import copy
 
     from transformers import AutoModelForCausalLM

@@ -77,7 +77,7 @@ def main():
                 measured[name].append(run["tokens_per_s"])
                 seen.append(run)
         mc = models.load_model_config(args.model_config, "", args.seq_len, token_data.read_meta(data))
-    # What costs.step_costs reads of train.py's Config, at train.py's defaults (loss in chunks); compute: the runs' rate.
+    # What costs.step_costs reads of train.py's Config, at its defaults (loss in chunks); compute: the runs' rate.
     cfg = SimpleNamespace(seq_len=args.seq_len, gradient_checkpointing=False, attn_implementation="sdpa",
                           loss_chunk_tokens=DEFAULT_CHUNK_TOKENS, assumed_mfu=0.35, gpu_memory_gib=24.0,
                           host_memory_gib=0.0, interconnect_gb_s=1.0, pcie_gb_s=1.0, nvme_gb_s=1.0)  # fmt: skip

@@ -90,7 +90,8 @@ def main():
                             "--num_processes", "3", "--main_process_port", str(free_port())]  # fmt: skip
         first = tmp / "scored"
         sh(launcher() + ["train.py", "--data_dir", str(data), "--output_dir", str(first), "--model_config",
-                         args.model_config, "--seq_len", "128", "--micro_batch_size", "4", "--max_steps", "2"])  # fmt: skip
+                         args.model_config, "--seq_len", "128", "--micro_batch_size", "4",
+                         "--max_steps", "2"])  # fmt: skip
         ckpt = first / "checkpoints" / "step_2"
         alone, beside, scoring_s = [], [], []
         for r in range(args.rounds):
