@@ -583,17 +583,17 @@ def print_plan(cfg, model_config) -> None:
     launch = plan.read_launch(path)
     if cfg.gradient_accumulation_steps:
         launch = dataclasses.replace(launch, grad_accum_steps=cfg.gradient_accumulation_steps)
+    if cfg.compare and (not launch.gpu or launch.nodes != 1 or launch.world_size != 3):
+        raise UserError(
+            f"--compare weighs the 3-GPU configs (accelerate_configs/*_3gpu.yaml); {path} is "
+            f"{launch.world_size} {'GPU' if launch.gpu else 'CPU'} processes on {launch.nodes} machine(s): give "
+            "one of those configs (default zero3_3gpu.yaml) for its global batch"
+        )
     peak = plan.GPU_PEAK_FLOPS["RTX 4090"] if launch.gpu else 0.1e12  # the target card; a CPU core at ~100 GFLOP/s
     base = GPU_PROCESS_HOST_GIB * GIB if launch.gpu else plan.process_rss_gib() * GIB  # before the timing
     rate = None if launch.gpu else plan.paper_cpu_rate(cfg, model_config, launch)
     machine = machine_for(cfg, launch, peak, model_rate=rate)
     if cfg.compare:
-        if not launch.gpu or launch.nodes != 1 or launch.world_size != 3:
-            raise UserError(
-                f"--compare weighs the 3-GPU configs (accelerate_configs/*_3gpu.yaml); {path} is "
-                f"{launch.world_size} {'GPU' if launch.gpu else 'CPU'} processes on {launch.nodes} machine(s): give "
-                "one of those configs (default zero3_3gpu.yaml) for its global batch"
-            )
         lines, _ = compare(model_config, cfg, launch, machine, base)
     else:
         lines, _ = plan_report(cfg, model_config, launch, machine, base, cfg.max_steps)

@@ -358,7 +358,7 @@ def measure_peak_flops(accelerator, precision: str) -> tuple[float, str]:
 MEASURED_COPY_MAX_PARAMS = 100e6
 MEASURED_RATE = "forward, loss and backward of 1 and 2 of its layers at this sequence and dtype, no ZeRO"
 # ... over at most this many tokens (whole sequences, at least one): the rate, not the run's memory, is measured.
-MEASURED_TOKENS = 4096
+MEASURED_TOKENS = 1024
 
 
 def measure_model_rate(c, micro: int, seq_len: int, precision: str, attn: str, chunk: int) -> float | None:
