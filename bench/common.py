@@ -37,6 +37,24 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, bf16 units: {cpu_bf16_units()}, Python {platform.python_version()}"
 
 
+def held_out_words(data: Path) -> list[list[str]]:
+    """The words of the first 16 held-out documents of a prepared data directory with at least 16 words each (fewer
+    where it holds fewer)."""
+    texts = [json.loads(line)["text"] for line in (data / "validation.jsonl").read_text().splitlines()]
+    return [t.split() for t in texts if len(t.split()) >= 16][:16]
+
+
+def multiple_choice_rows(words: list[list[str]]) -> list[dict]:
+    """A local multiple-choice task (tests and benches): the first 10 words of a document, then its next 6 words
+    among 3 other documents' (4 choices, the right one at position i % 4)."""
+    rows = []
+    for i, w in enumerate(words):
+        others = [" ".join(words[(i + k) % len(words)][10:16]) for k in (1, 2, 3)]
+        choices = others[: i % 4] + [" ".join(w[10:16])] + others[i % 4 :]
+        rows.append({"question": " ".join(w[:10]), "choices": [" " + c for c in choices], "answer": i % 4})
+    return rows
+
+
 def free_port() -> int:
     import socket
 

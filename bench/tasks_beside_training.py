@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import REPO, free_port, prepare_docs, record, sh, train_py_rate
+from common import REPO, free_port, held_out_words, multiple_choice_rows, prepare_docs, record, sh, train_py_rate
 
 TASK_YAML = """task: local_mc
 dataset_path: json
@@ -45,13 +45,7 @@ metric_list:
 
 def write_task(data: Path, directory: Path) -> Path:
     """local_mc: the first 10 words of a held-out document, then its next 6 words among 3 other documents'."""
-    texts = [json.loads(line)["text"] for line in (data / "validation.jsonl").read_text().splitlines()]
-    words = [t.split() for t in texts if len(t.split()) >= 16][:16]
-    rows = []
-    for i, w in enumerate(words):
-        others = [" ".join(words[(i + k) % len(words)][10:16]) for k in (1, 2, 3)]
-        choices = others[: i % 4] + [" ".join(w[10:16])] + others[i % 4 :]
-        rows.append({"question": " ".join(w[:10]), "choices": [" " + c for c in choices], "answer": i % 4})
+    rows = multiple_choice_rows(held_out_words(data))
     directory.mkdir(parents=True)
     (directory / "local_mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (directory / "local_mc.yaml").write_text(TASK_YAML.format(data=(directory / "local_mc.jsonl").resolve()))

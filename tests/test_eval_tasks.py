@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from common import harness_command, read_harness_results
+from common import harness_command, held_out_words, multiple_choice_rows, read_harness_results
 from conftest import run
 
 import eval as ev
@@ -45,14 +45,9 @@ def metric_lines(*names_aggregation_better) -> str:
 def write_local_tasks(docs_data: Path, directory: Path) -> Path:
     """local_mc: the first 10 words of a held-out document, then its next 6 words among 3 other documents' (4 choices,
     acc and acc_norm); local_ll: the first 12 words, then the 13th (lambada-like: perplexity and acc)."""
-    texts = [json.loads(line)["text"] for line in (docs_data / "validation.jsonl").read_text().splitlines()]
-    words = [t.split() for t in texts if len(t.split()) >= 16][:16]
+    words = held_out_words(docs_data)
     assert len(words) == 16
-    mc = []
-    for i, w in enumerate(words):
-        others = [" ".join(words[(i + k) % len(words)][10:16]) for k in (1, 2, 3)]
-        choices = others[: i % 4] + [" ".join(w[10:16])] + others[i % 4 :]
-        mc.append({"question": " ".join(w[:10]), "choices": [" " + c for c in choices], "answer": i % 4})
+    mc = multiple_choice_rows(words)
     ll = [{"context": " ".join(w[:12]), "target": " " + w[12]} for w in words]
     directory.mkdir(parents=True, exist_ok=True)
     for name, rows, output_type, prompt, metrics in (
