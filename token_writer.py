@@ -17,7 +17,6 @@ import re
 import sys
 import time
 from collections.abc import Iterator
-from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +31,6 @@ from tokenizer_pool import (
     PIECE_CUT,
     Task,
     TokenizerPool,
-    WorkerDied,
     cut_problem,
     document_pieces,
     in_order,
@@ -246,9 +244,7 @@ def tokenize_all(sources: list[corpora.Source], job: Job, resume: dict | None) -
             peak_worker = max(peak_worker, worker_rss)
             counts[task.split] = writers[task.split].counts
             bar.set_postfix_str(rate, refresh=False)
-    except BrokenProcessPool:
-        raise WorkerDied(pool.death()) from None
-    except BaseException:
+    except BaseException:  # WorkerDied included: the pool has stopped its other processes
         if pool is not None:
             pool.stop()
         raise

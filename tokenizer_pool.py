@@ -10,12 +10,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
-import multiprocessing.context
+import multiprocessing
 import os
 import re
 import signal
 from collections.abc import Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -115,64 +114,97 @@ def rss_mib() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
-class _RecordingSpawn(multiprocessing.context.SpawnContext):
-    """The spawn start method, keeping every process it starts: once the pool breaks they tell which one died, and
-    how (concurrent.futures only says that one did)."""
-
-    def __init__(self):
-        super().__init__()
-        self.started: list = []
-
-    def Process(self, *args, **kwargs):  # the name ProcessPoolExecutor calls
-        process = multiprocessing.context.SpawnProcess(*args, **kwargs)
-        self.started.append(process)
-        return process
+def worker_loop(tasks, results, init_args: tuple) -> None:
+    """A tokenizer process: encode each batch from `tasks` and send ("ok", result) or ("error", the exception) back on
+    its own pipe, until None."""
+    init_tokenizer_worker(*init_args)
+    if os.environ.get("TOKENIZER_TEST_FAULT") == "die_sending":  # tests: killed halfway through sending a result
+        os.write(results.fileno(), (1 << 20).to_bytes(4, "big") + b"half a message")
+        os.kill(os.getpid(), signal.SIGKILL)
+    for args in iter(tasks.get, None):
+        try:
+            reply = ("ok", encode_documents(*args))
+        except Exception as e:  # a UserError (an id too large) reaches the user as it would in one process
+            reply = ("error", e)
+        results.send(reply)
 
 
 class TokenizerPool:
-    """num_proc tokenizer processes, spawned (forking a process that holds a Rust tokenizer's threads can deadlock).
-    concurrent.futures, not multiprocessing.Pool: when a process dies, Pool starts another and waits forever for the
-    batch the dead one held, while ProcessPoolExecutor fails every pending result at once (BrokenProcessPool) and
-    stops the other processes."""
+    """num_proc tokenizer processes, spawned (forking a process that holds a Rust tokenizer's threads can deadlock),
+    each with its own task queue and result pipe; a batch goes to the process with the fewest in flight.
+
+    Not concurrent.futures: its processes share one result pipe and its lock, so one killed while sending a result
+    leaves half a message there, and the executor's thread waits forever for the rest (prepare_data.py hung so after a
+    kill -9, seen here). Here a death shows on that process's own pipe (end of file) and sentinel; multiprocessing.Pool
+    would start another process and wait forever for the dead one's batch."""
 
     def __init__(self, num_proc: int, init_args: tuple):
-        self.context = _RecordingSpawn()
-        self.executor = ProcessPoolExecutor(
-            num_proc, mp_context=self.context, initializer=init_tokenizer_worker, initargs=init_args
-        )
+        ctx = multiprocessing.get_context("spawn")
+        self.workers: list[tuple] = []  # (process, task queue, our end of its result pipe)
+        self.in_flight = [0] * num_proc
+        for _ in range(num_proc):
+            tasks, (ours, theirs) = ctx.Queue(), ctx.Pipe(duplex=False)
+            process = ctx.Process(target=worker_loop, args=(tasks, theirs, init_args), daemon=True)
+            process.start()
+            theirs.close()  # the process's end only: its death is then end of file here
+            self.workers.append((process, tasks, ours))
 
-    def submit(self, task: Task) -> Future:
-        return self.executor.submit(encode_documents, task.texts, task.joined, task.ends)
+    def submit(self, task: Task) -> int:
+        """Queue a batch; returns the process that takes it (its results come back in the order its batches went)."""
+        i = min(range(len(self.workers)), key=self.in_flight.__getitem__)
+        self.workers[i][1].put((task.texts, task.joined, task.ends))
+        self.in_flight[i] += 1
+        return i
+
+    def ready(self, i: int) -> bool:
+        """Whether process i has sent something (a result, or end of file)."""
+        return self.workers[i][2].poll()
+
+    def result(self, i: int) -> tuple:
+        """The result of process i's oldest batch in flight; WorkerDied when the process ended before sending it."""
+        process, _, pipe = self.workers[i]
+        try:
+            status, value = pipe.recv()
+        except (EOFError, OSError):
+            raise WorkerDied(self.death(process)) from None
+        self.in_flight[i] -= 1
+        if status == "error":
+            raise value
+        return value
 
     def close(self) -> None:
-        self.executor.shutdown(wait=True)
+        for _, tasks, _ in self.workers:
+            tasks.put(None)
+        for process, tasks, pipe in self.workers:
+            process.join()
+            tasks.close()
+            pipe.close()
 
     def stop(self) -> None:
-        for process in self.context.started:
+        """End every process now (a death, an error, Ctrl-C): nothing they hold is needed."""
+        for process, tasks, _ in self.workers:
+            tasks.cancel_join_thread()  # a batch still queued for a dead process is dropped, not waited on at exit
             if process.exitcode is None:
-                process.terminate()
-        self.executor.shutdown(wait=True, cancel_futures=True)
+                process.kill()
+        for process, _, _ in self.workers:
+            process.join()
 
-    def death(self) -> str:
-        """Which process died and how, once the pool has broken: the first one that did not end by the SIGTERM that
-        the pool sends the others."""
+    def death(self, process) -> str:
+        """Which process died and how: `process`, whose pipe ended, by its exit status."""
+        process.join()
         self.stop()
-        ended = [p for p in self.context.started if p.exitcode is not None]
-        dead = next((p for p in ended if p.exitcode != -signal.SIGTERM), ended[0] if ended else None)
-        if dead is None:
-            return "a tokenizer process died"
-        if dead.exitcode == -signal.SIGKILL:
+        if process.exitcode == -signal.SIGKILL:
             how = "was killed by SIGKILL (the out-of-memory killer sends it too: see dmesg, and lower --num_proc)"
-        elif dead.exitcode < 0:
-            how = f"was killed by {signal.Signals(-dead.exitcode).name}"
+        elif process.exitcode < 0:
+            how = f"was killed by {signal.Signals(-process.exitcode).name}"
         else:
-            how = f"exited with status {dead.exitcode}"
-        return f"tokenizer process {dead.pid} {how}"
+            how = f"exited with status {process.exitcode}"
+        return f"tokenizer process {process.pid} {how}"
 
 
 def in_order(tasks: Iterator[Task], pool: TokenizerPool | None, max_in_flight: int) -> Iterator[tuple[Task, tuple]]:
     """(task, encode_documents result) for every task, in task order, with at most max_in_flight batches queued."""
-    queue: collections.deque = collections.deque()
+    queue: collections.deque = collections.deque()  # (task, the process it went to | its result | None)
     for task in tasks:
         if task.texts is None:
             queue.append((task, None))
@@ -180,11 +212,11 @@ def in_order(tasks: Iterator[Task], pool: TokenizerPool | None, max_in_flight: i
             queue.append((task, encode_documents(task.texts, task.joined, task.ends)))
         else:
             queue.append((task, pool.submit(task)))
-        while queue and (len(queue) > max_in_flight or not isinstance(queue[0][1], Future) or queue[0][1].done()):
+        while queue and (len(queue) > max_in_flight or not isinstance(queue[0][1], int) or pool.ready(queue[0][1])):
             done, result = queue.popleft()
-            yield done, result.result() if isinstance(result, Future) else result
+            yield done, pool.result(result) if isinstance(result, int) else result
     for done, result in queue:
-        yield done, result.result() if isinstance(result, Future) else result
+        yield done, pool.result(result) if isinstance(result, int) else result
 
 
 def document_pieces(doc: str | documents.FileText, size: int, cut: re.Pattern | None) -> Iterator[str]:
