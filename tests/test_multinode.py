@@ -3,6 +3,8 @@ as one launch of the same world size and global batch, and both machines resume 
 
 import subprocess
 
+import pytest
+
 from conftest import ACCELERATE, CPU_CONFIG, REPO, TINY, assert_processes, free_port, launch, run, train_records
 from test_train import assert_same_weights
 
@@ -40,10 +42,22 @@ def launch_two_machines(*train_args, cwds=(REPO, REPO)):
     return first
 
 
-def test_two_machines_match_one_launch_and_resume(docs_data, tmp_path):
-    common = [*TINY, "--micro_batch_size", "2", "--data_dir", docs_data, "--lr_decay_steps", "6"]
-    single = tmp_path / "single"
-    launch(2, *common, "--max_steps", "6", "--output_dir", single)
+# The model is the MoE preset: its routers' biases are saved by Accelerate on rank 0 only, so on node-local disks
+# machine 1 must write its own copy (issue #20).
+COMMON = [*TINY, "--model_config", "deepseek-v3-tiny", "--micro_batch_size", "2", "--lr_decay_steps", "6",
+          "--save_every", "2"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def single(docs_data, tmp_path_factory):
+    """One launch of 2 processes, 6 steps: what both two-machine runs must equal."""
+    out = tmp_path_factory.mktemp("single") / "out"
+    launch(2, *COMMON, "--data_dir", docs_data, "--max_steps", "6", "--output_dir", out)
+    return out
+
+
+def test_two_machines_match_one_launch_and_resume(single, docs_data, tmp_path):
+    common = [*COMMON, "--data_dir", docs_data]
     multi = tmp_path / "multi"
     launch_two_machines(*common, "--max_steps", "3", "--output_dir", multi)
     assert (multi / "checkpoints" / "step_3" / "trainer_state.json").is_file()
@@ -56,16 +70,12 @@ def test_two_machines_match_one_launch_and_resume(docs_data, tmp_path):
     assert_same_weights(single, multi)
 
 
-def test_node_local_disks_agree_on_the_checkpoint(docs_data, tmp_path):
+def test_node_local_disks_agree_on_the_checkpoint(single, docs_data, tmp_path):
     """Each "machine" runs in its own directory with a relative --output_dir, so each holds only its own rank's shards
     and finalises its own copy, as on node-local disks. A kill between the two machines' renames is replayed by
     taking machine 1's step_4 back to .tmp-step_4: --resume auto must bring both back to step_2, not each to its own
-    newest, and end with the weights of an uninterrupted launch. The model is the MoE preset: its routers' biases
-    are saved by Accelerate on rank 0 only, so machine 1 must write its own copy (issue #20)."""
-    common = [*TINY, "--model_config", "deepseek-v3-tiny", "--micro_batch_size", "2", "--data_dir", docs_data,
-              "--lr_decay_steps", "6", "--save_every", "2"]  # fmt: skip
-    single = tmp_path / "single"
-    launch(2, *common, "--max_steps", "6", "--output_dir", single)
+    newest, and end with the weights of an uninterrupted launch."""
+    common = [*COMMON, "--data_dir", docs_data]
     machines = [tmp_path / "machine0", tmp_path / "machine1"]
     for m in machines:
         m.mkdir()

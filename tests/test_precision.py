@@ -50,7 +50,8 @@ def launch(nproc: int, precision: str, *args, check=True):
 @pytest.fixture(scope="module", params=["fp16", "bf16"])
 def runs(request, docs_data, tmp_path_factory) -> dict:
     """Per precision: 3 processes x micro-batch 2 for 10 steps; 1 process x 6 on the same global batch; the 3-process
-    run stopped after its step-5 checkpoint and resumed to step 10."""
+    run's step-5 checkpoint resumed by hand in a new --output_dir to step 10 (what a run stopped after it does; the
+    resume of a run stopped by --max_steps is test_train.py's)."""
     precision = request.param
     present, why = UNITS[precision]
     if not present:
@@ -59,8 +60,8 @@ def runs(request, docs_data, tmp_path_factory) -> dict:
     data = ["--data_dir", docs_data]
     launch(3, precision, *data, "--micro_batch_size", "2", "--max_steps", STEPS, "--output_dir", tmp / "three")
     launch(1, precision, *data, "--micro_batch_size", "6", "--max_steps", STEPS, "--output_dir", tmp / "one")
-    launch(3, precision, *data, "--micro_batch_size", "2", "--max_steps", 5, "--output_dir", tmp / "resumed")
-    resumed = launch(3, precision, "--max_steps", STEPS, "--output_dir", tmp / "resumed", "--resume", "auto")
+    step_5 = tmp / "three" / "checkpoints" / "step_5"
+    resumed = launch(3, precision, "--max_steps", STEPS, "--output_dir", tmp / "resumed", "--resume", step_5)
     assert "resumed from" in resumed.stdout
     return {"precision": precision, "dir": tmp}
 

@@ -62,19 +62,24 @@ def test_three_processes_partition_the_parameters(ref):
     assert link and min(map(float, link.groups())) > 0, proc.stdout[-3000:]
 
 
-def test_one_process_same_global_batch_gives_same_losses(ref, docs_data, tmp_path):
-    """... and with the full logits (--loss_chunk_tokens 0) against the reference's chunked loss."""
-    out1 = tmp_path / "one"
-    args = ("--micro_batch_size", "6", "--loss_chunk_tokens", "0", "--data_dir", docs_data, "--output_dir", out1)
-    proc = launch(1, *TINY, *STEPS, *args)
+@pytest.fixture(scope="module")
+def one_process(docs_data, tmp_path_factory):
+    """1 process x micro-batch 6 (the reference's global batch), with the full logits (--loss_chunk_tokens 0)."""
+    out = tmp_path_factory.mktemp("one") / "out"
+    args = ("--micro_batch_size", "6", "--loss_chunk_tokens", "0", "--data_dir", docs_data, "--output_dir", out)
+    return out, launch(1, *TINY, *STEPS, *args)
+
+
+def test_one_process_same_global_batch_gives_same_losses(ref, one_process):
+    """... and with the full logits against the reference's chunked loss."""
+    out1, proc = one_process
     assert "; loss: full logits (--loss_chunk_tokens 0)" in proc.stdout
     assert_same_losses(ref[0], out1, rel=1e-4)
 
 
-def test_gradient_accumulation_equals_a_bigger_micro_batch(ref, docs_data, tmp_path):
+def test_gradient_accumulation_equals_a_bigger_micro_batch(one_process, docs_data, tmp_path):
     """3 processes x accumulation 2 x micro-batch 1 trains on the same 6 sequences per step as 1 process x 6."""
-    one, accum = tmp_path / "one", tmp_path / "accum"
-    launch(1, *TINY, *STEPS, "--micro_batch_size", "6", "--data_dir", docs_data, "--output_dir", one)
+    one, accum = one_process[0], tmp_path / "accum"
     launch(3, *TINY, *STEPS, "--micro_batch_size", "1", "--data_dir", docs_data, "--output_dir", accum, accum=2)
     assert_same_losses(one, accum, rel=1e-4)
     # Not 1e-6: fp32 sums in another order differ in the last bits, and Adam's m / sqrt(v) turns those into full-size
