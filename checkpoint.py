@@ -475,7 +475,8 @@ def load_checkpoint(run, parts) -> None:
             f"cannot load checkpoint {path}: {why}; resume from an older checkpoint with --resume {path.parent}/step_N"
         ) from None
     if run.cfg.resume != "auto" and parts.finaliser:
-        moved = set_aside_newer(path.parent, path, run.resume.state["step"])
+        # This run's own checkpoints only: another run's checkpoint, resumed into a new OUT, leaves that run as it was.
+        moved = set_aside_newer(Path(run.cfg.output_dir) / "checkpoints", path, run.resume.state["step"])
         if moved is not None:
             print(moved)
     parts.accelerator.print(

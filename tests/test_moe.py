@@ -86,10 +86,14 @@ def test_moe_run_logs_balance_and_three_processes_equal_one(moe_ref, docs_data, 
 
 def test_stop_and_resume_equals_straight(moe_ref, docs_data, tmp_path):
     """The reference's step-12 checkpoint resumed by hand in a new --output_dir: steps 13-24 and the routers' biases
-    equal the straight run's."""
+    equal the straight run's, and the reference's directory is left as it was."""
     out = tmp_path / "resumed"
     half = moe_ref[0] / "checkpoints" / f"step_{HALF}"
+    before = sorted(p.name for p in (moe_ref[0] / "checkpoints").iterdir())
     train_moe(3, out, docs_data, "--max_steps", STEPS, "--resume", half)
+    # The reference run is another run: nothing of it moves (its step_24 was set aside as an abandoned branch).
+    assert sorted(p.name for p in (moe_ref[0] / "checkpoints").iterdir()) == before
+    assert (moe_ref[0] / "checkpoints" / "latest").read_text().strip() == f"step_{STEPS}"
     straight, resumed = train_records(moe_ref[0]), train_records(out)
     for s in range(HALF + 1, STEPS + 1):
         assert abs(straight[s]["loss"] - resumed[s]["loss"]) / straight[s]["loss"] < 1e-6, s
