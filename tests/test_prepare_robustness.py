@@ -128,7 +128,8 @@ def test_a_process_killed_halfway_through_a_result_is_named_not_waited_on(docs_d
         first = pool.submit(tokenizer_pool.Task("train", ["some text"]))
         pool.submit(tokenizer_pool.Task("train", ["more text"]))
         raised = []
-        waiter = threading.Thread(target=lambda: raised.append(pytest.raises(Exception, pool.result, first)), daemon=True)
+        wait = lambda: raised.append(pytest.raises(Exception, pool.result, first))  # noqa: E731
+        waiter = threading.Thread(target=wait, daemon=True)
         waiter.start()
         waiter.join(30)
         assert not waiter.is_alive(), "the pool still waits 30 s after its process died"
