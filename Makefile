@@ -18,4 +18,4 @@ quickstart: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash quickstart.sh
 
 test: setup
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests --durations=12
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests -n 2 --dist loadfile --durations=12
