@@ -326,20 +326,26 @@ def find_resume_checkpoint(resume: str, ckpt_root: Path, accelerator) -> Path | 
 
 
 def set_aside_newer(ckpt_root: Path, resume_from: Path, step: int) -> str | None:
-    """An explicit --resume from an older checkpoint starts a new branch: the checkpoints after it move to
-    checkpoints/abandoned-<time>/ (kept until the run finishes, out of pruning's and --resume auto's way) and `latest`
-    names resume_from (at `step`, from its trainer_state.json: a user's copy may have any name). Called only once
-    resume_from has loaded. Returns a line saying what moved where."""
-    if not ckpt_root.is_dir() or resume_from.parent.resolve() != ckpt_root.resolve():
+    """An explicit --resume from an older checkpoint starts a new branch: this run's checkpoints after it (ckpt_root:
+    OUT/checkpoints) move to checkpoints/abandoned-<time>/ (kept until the run finishes, out of pruning's and --resume
+    auto's way), wherever resume_from lies, and `latest` names resume_from when it is one of them (at `step`, from its
+    trainer_state.json: a user's copy may have any name), else the newest left. Called only once resume_from has
+    loaded. Returns a line saying what moved where."""
+    if not ckpt_root.is_dir():
         return None
-    newer = [p for p in step_dirs(ckpt_root) if step_of(p) > step]
+    inside = resume_from.parent.resolve() == ckpt_root.resolve()
+    newer = [p for p in step_dirs(ckpt_root) if step_of(p) > step and not (inside and p.name == resume_from.name)]
     if not newer:
         return None
     aside = ckpt_root / time.strftime("abandoned-%Y%m%d-%H%M%S")
     aside.mkdir(exist_ok=True)
     for p in newer:
         os.replace(p, aside / p.name)
-    write_atomic(ckpt_root / "latest", resume_from.name + "\n")
+    left = step_dirs(ckpt_root)
+    if inside or left:
+        write_atomic(ckpt_root / "latest", (resume_from if inside else max(left, key=step_of)).name + "\n")
+    else:
+        (ckpt_root / "latest").unlink(missing_ok=True)
     return (
         f"moved the checkpoints after {resume_from.name} ({', '.join(p.name for p in newer)}) to {aside}: this run "
         f"continues from {resume_from.name}"

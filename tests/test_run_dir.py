@@ -364,12 +364,16 @@ def test_a_failed_metrics_write_names_the_file(done_run, tmp_path):
     assert not list(out.glob(".*.tmp")) and tree(out / "checkpoints") == before
 
 
-def test_explicit_resume_from_a_copy_under_another_name(done_run, tmp_path):
-    """A user's copy (checkpoints/step_2.bak) resumed by hand: its trainer_state.json says which step it is, and the
-    checkpoints after that step move aside as for any explicit resume."""
+@pytest.mark.parametrize("where", ["in its checkpoints", "outside the run"])
+def test_explicit_resume_from_a_copy_under_another_name(done_run, tmp_path, where):
+    """A user's copy of step_2 resumed by hand, under another name in the run's checkpoints/ or outside the run: its
+    trainer_state.json says which step it is, and the run's checkpoints after it move aside as for any explicit resume
+    (from outside they used to stay, and a --resume auto after a crash followed the old branch)."""
     out = copy_run(done_run, tmp_path, keep_step_4=True)
     ckpts = out / "checkpoints"
-    shutil.copytree(ckpts / "step_2", ckpts / "step_2.bak")
-    proc = train("--output_dir", out, "--resume", ckpts / "step_2.bak")
-    assert "moved the checkpoints after step_2.bak (step_4)" in proc.stdout, proc.stdout
-    assert f"resumed from {ckpts / 'step_2.bak'} at step 2" in proc.stdout
+    copy = ckpts / "step_2.bak" if where == "in its checkpoints" else tmp_path / "elsewhere" / "step_2"
+    shutil.copytree(ckpts / "step_2", copy)
+    proc = train("--output_dir", out, "--resume", copy)
+    assert f"moved the checkpoints after {copy.name} (step_4)" in proc.stdout, proc.stdout
+    assert f"resumed from {copy} at step 2" in proc.stdout
+    assert sorted(p.name for p in ckpts.iterdir() if not p.name.startswith("step_2.")) == ["latest", "step_2", "step_4"]
