@@ -11,7 +11,9 @@ import collections
 import dataclasses
 import json
 import multiprocessing
+import multiprocessing.connection
 import os
+import queue
 import re
 import signal
 from collections.abc import Iterator
@@ -115,78 +117,102 @@ def rss_mib() -> float:
 
 
 def worker_loop(tasks, results, init_args: tuple) -> None:
-    """A tokenizer process: encode each batch from `tasks` and send ("ok", result) or ("error", the exception) back on
-    its own pipe, until None."""
+    """A tokenizer process: take (number, batch) from the shared `tasks` queue, encode it and send (number, "ok",
+    result) or (number, "error", the exception) on this process's own pipe, until None or until the main process is
+    gone (killed: nothing would read the results, and the process would wait on the queue for ever)."""
     init_tokenizer_worker(*init_args)
     if os.environ.get("TOKENIZER_TEST_FAULT") == "die_sending":  # tests: killed halfway through sending a result
         os.write(results.fileno(), (1 << 20).to_bytes(4, "big") + b"half a message")
         os.kill(os.getpid(), signal.SIGKILL)
-    for args in iter(tasks.get, None):
+    parent = os.getppid()
+    while True:
         try:
-            reply = ("ok", encode_documents(*args))
+            item = tasks.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return
+            continue
+        if item is None:
+            return
+        number, args = item
+        try:
+            reply = (number, "ok", encode_documents(*args))
         except Exception as e:  # a UserError (an id too large) reaches the user as it would in one process
-            reply = ("error", e)
-        results.send(reply)
+            reply = (number, "error", e)
+        try:
+            results.send(reply)
+        except OSError:  # the main process is gone
+            return
 
 
 class TokenizerPool:
-    """num_proc tokenizer processes, spawned (forking a process that holds a Rust tokenizer's threads can deadlock),
-    each with its own task queue and result pipe; a batch goes to the process with the fewest in flight.
+    """num_proc tokenizer processes, spawned (forking a process that holds a Rust tokenizer's threads can deadlock):
+    batches go into one queue that any free process takes from, and each process sends its results back on its own
+    pipe, numbered; result(n) hands back batch n's.
 
     Not concurrent.futures: its processes share one result pipe and its lock, so one killed while sending a result
     leaves half a message there, and the executor's thread waits forever for the rest (prepare_data.py hung so after a
-    kill -9, seen here). Here a death shows on that process's own pipe (end of file) and sentinel; multiprocessing.Pool
-    would start another process and wait forever for the dead one's batch."""
+    kill -9, seen here). Here a death shows as end of file on that process's own pipe. multiprocessing.Pool would start
+    another process and wait forever for the dead one's batch."""
 
     def __init__(self, num_proc: int, init_args: tuple):
         ctx = multiprocessing.get_context("spawn")
-        self.workers: list[tuple] = []  # (process, task queue, our end of its result pipe)
-        self.in_flight = [0] * num_proc
+        self.tasks = ctx.Queue()
+        self.processes, self.pipes = [], []
         for _ in range(num_proc):
-            tasks, (ours, theirs) = ctx.Queue(), ctx.Pipe(duplex=False)
-            process = ctx.Process(target=worker_loop, args=(tasks, theirs, init_args), daemon=True)
+            ours, theirs = ctx.Pipe(duplex=False)
+            process = ctx.Process(target=worker_loop, args=(self.tasks, theirs, init_args), daemon=True)
             process.start()
             theirs.close()  # the process's end only: its death is then end of file here
-            self.workers.append((process, tasks, ours))
+            self.processes.append(process)
+            self.pipes.append(ours)
+        self.submitted = 0
+        self.received: dict[int, tuple] = {}
 
     def submit(self, task: Task) -> int:
-        """Queue a batch; returns the process that takes it (its results come back in the order its batches went)."""
-        i = min(range(len(self.workers)), key=self.in_flight.__getitem__)
-        self.workers[i][1].put((task.texts, task.joined, task.ends))
-        self.in_flight[i] += 1
-        return i
+        """Queue a batch; returns its number."""
+        self.tasks.put((self.submitted, (task.texts, task.joined, task.ends)))
+        self.submitted += 1
+        return self.submitted - 1
 
-    def ready(self, i: int) -> bool:
-        """Whether process i has sent something (a result, or end of file)."""
-        return self.workers[i][2].poll()
+    def receive(self, block: bool) -> None:
+        """Take in what the processes have sent (block: wait for at least one); WorkerDied when a pipe has ended."""
+        for pipe in multiprocessing.connection.wait(self.pipes, timeout=None if block else 0):
+            try:
+                number, status, value = pipe.recv()
+            except (EOFError, OSError):
+                raise WorkerDied(self.death(self.processes[self.pipes.index(pipe)])) from None
+            self.received[number] = (status, value)
 
-    def result(self, i: int) -> tuple:
-        """The result of process i's oldest batch in flight; WorkerDied when the process ended before sending it."""
-        process, _, pipe = self.workers[i]
-        try:
-            status, value = pipe.recv()
-        except (EOFError, OSError):
-            raise WorkerDied(self.death(process)) from None
-        self.in_flight[i] -= 1
+    def ready(self, number: int) -> bool:
+        self.receive(block=False)
+        return number in self.received
+
+    def result(self, number: int) -> tuple:
+        """Batch `number`'s encode_documents result (its exception raised here)."""
+        while number not in self.received:
+            self.receive(block=True)
+        status, value = self.received.pop(number)
         if status == "error":
             raise value
         return value
 
     def close(self) -> None:
-        for _, tasks, _ in self.workers:
-            tasks.put(None)
-        for process, tasks, pipe in self.workers:
+        for _ in self.processes:
+            self.tasks.put(None)
+        for process in self.processes:
             process.join()
-            tasks.close()
+        self.tasks.close()
+        for pipe in self.pipes:
             pipe.close()
 
     def stop(self) -> None:
         """End every process now (a death, an error, Ctrl-C): nothing they hold is needed."""
-        for process, tasks, _ in self.workers:
-            tasks.cancel_join_thread()  # a batch still queued for a dead process is dropped, not waited on at exit
+        self.tasks.cancel_join_thread()  # batches still queued are dropped, not waited on at exit
+        for process in self.processes:
             if process.exitcode is None:
                 process.kill()
-        for process, _, _ in self.workers:
+        for process in self.processes:
             process.join()
 
     def death(self, process) -> str:
@@ -204,18 +230,18 @@ class TokenizerPool:
 
 def in_order(tasks: Iterator[Task], pool: TokenizerPool | None, max_in_flight: int) -> Iterator[tuple[Task, tuple]]:
     """(task, encode_documents result) for every task, in task order, with at most max_in_flight batches queued."""
-    queue: collections.deque = collections.deque()  # (task, the process it went to | its result | None)
+    pending: collections.deque = collections.deque()  # (task, its batch number | its result | None)
     for task in tasks:
         if task.texts is None:
-            queue.append((task, None))
+            pending.append((task, None))
         elif pool is None:
-            queue.append((task, encode_documents(task.texts, task.joined, task.ends)))
+            pending.append((task, encode_documents(task.texts, task.joined, task.ends)))
         else:
-            queue.append((task, pool.submit(task)))
-        while queue and (len(queue) > max_in_flight or not isinstance(queue[0][1], int) or pool.ready(queue[0][1])):
-            done, result = queue.popleft()
+            pending.append((task, pool.submit(task)))
+        while pending and (len(pending) > max_in_flight or not isinstance(pending[0][1], int) or pool.ready(pending[0][1])):
+            done, result = pending.popleft()
             yield done, pool.result(result) if isinstance(result, int) else result
-    for done, result in queue:
+    for done, result in pending:
         yield done, pool.result(result) if isinstance(result, int) else result
 
 

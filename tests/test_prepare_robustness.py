@@ -135,7 +135,7 @@ def test_a_process_killed_halfway_through_a_result_is_named_not_waited_on(docs_d
         assert not waiter.is_alive(), "the pool still waits 30 s after its process died"
         assert raised[0].type is tokenizer_pool.WorkerDied
         assert re.fullmatch(r"tokenizer process \d+ was killed by SIGKILL .*", str(raised[0].value)), raised[0].value
-        assert all(process.exitcode is not None for process, _, _ in pool.workers)
+        assert all(process.exitcode is not None for process in pool.processes)
     finally:
         pool.stop()
 
