@@ -238,7 +238,9 @@ def in_order(tasks: Iterator[Task], pool: TokenizerPool | None, max_in_flight: i
             pending.append((task, encode_documents(task.texts, task.joined, task.ends)))
         else:
             pending.append((task, pool.submit(task)))
-        while pending and (len(pending) > max_in_flight or not isinstance(pending[0][1], int) or pool.ready(pending[0][1])):
+        while pending and (
+            len(pending) > max_in_flight or not isinstance(pending[0][1], int) or pool.ready(pending[0][1])
+        ):
             done, result = pending.popleft()
             yield done, pool.result(result) if isinstance(result, int) else result
     for done, result in pending:
