@@ -343,7 +343,7 @@ def set_aside_newer(ckpt_root: Path, resume_from: Path, step: int) -> str | None
         os.replace(p, aside / p.name)
     left = step_dirs(ckpt_root)
     if inside or left:
-        write_atomic(ckpt_root / "latest", (resume_from if inside else max(left, key=step_of)).name + "\n")
+        write_atomic(ckpt_root / "latest", (resume_from if inside else left[-1]).name + "\n")
     else:
         (ckpt_root / "latest").unlink(missing_ok=True)
     return (
