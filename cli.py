@@ -1,6 +1,7 @@
 """What every script does at its edges: refuse bad input, write files whole, keep the console readable, and leave.
 
-- field / given_fields: a Config dataclass's fields, and which of them a command line sets.
+- field / given_fields / parse_config: a Config dataclass's fields, which of them a command line sets, and the
+  Config of a command line (an unknown flag is one `error:` line).
 - UserError: a mistake of the user's (a flag, a file, a directory). The message is one line that names the value,
   the constraint and the fix; main() prints it as `error: ...` and exits 2, before anything is half-written.
 - write_atomic / write_json_atomic / replace_dir / remove: a reader, or a crash, sees the old file or directory or
@@ -47,6 +48,38 @@ def given_fields(config_class, argv: list[str]) -> set[str]:
     for action in parser._actions:  # set_defaults would not do: argparse type-converts string defaults
         action.default = argparse.SUPPRESS
     return set(vars(parser.parse_known_args(argv)[0]))
+
+
+# accelerate launch's own flags, often put after the script by mistake
+LAUNCHER_FLAGS = ("--config_file", "--num_processes", "--num_machines", "--machine_rank", "--main_process_ip",
+                  "--main_process_port", "--mixed_precision", "--use_deepspeed", "--zero_stage", "--gpu_ids", "--cpu")
+
+
+def parse_config(config_class, argv: list[str] | None, doc: str):
+    """The Config of a command line, or None after one `error:` line when it has words no flag takes (a typo, a flag of
+    the launcher): HfArgumentParser would raise a ValueError with a traceback. Printed by rank 0 only, when launched:
+    every process parses the same line."""
+    import difflib
+
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(config_class, description=doc)
+    cfg, rest = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
+    if not rest:
+        return cfg
+    flags = [f"--{f.name}" for f in dataclasses.fields(config_class)]
+    script = Path(sys.argv[0]).name if sys.argv[0].endswith(".py") else "the script"
+    word = ([w for w in rest if w.startswith("-")] or rest)[0].split("=")[0]
+    close = difflib.get_close_matches(word, flags, n=1, cutoff=0.8)
+    if word in LAUNCHER_FLAGS:
+        hint = f"it is a flag of accelerate launch: put it before {script}"
+    elif close:
+        hint = f"did you mean {close[0]}? python {script} --help lists the flags"
+    else:
+        hint = f"python {script} --help lists the flags"
+    if os.environ.get("RANK", "0") == "0":
+        print_error(f"{word}: no such flag of {script} ({hint}); the command line's words not taken: {' '.join(rest)}")
+    return None
 
 
 # The crash tests' switch, TRAIN_TEST_FAULT=kind:rank:step[-last][@attempt][,...]: the points below, at one step or

@@ -464,9 +464,10 @@ def print_report(report: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from accelerate import PartialState
-    from transformers import HfArgumentParser
 
-    (cfg,) = HfArgumentParser(Config, description=__doc__.split("\n\n")[0]).parse_args_into_dataclasses(argv)
+    cfg = cli.parse_config(Config, argv, __doc__.split("\n\n")[0])
+    if cfg is None:
+        return 2
     cli.quiet_console()
     if not cfg.model:
         cli.print_error("--model is required: a model directory such as the OUT/final that train.py writes")

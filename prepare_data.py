@@ -500,10 +500,10 @@ def report(out_dir: Path, meta: dict, tokens_per_s: float, total_s: float, peak_
 
 
 def main(argv: list[str] | None = None) -> int:
-    from transformers import HfArgumentParser
-
     argv = sys.argv[1:] if argv is None else argv
-    (cfg,) = HfArgumentParser(Config, description=__doc__.split("\n\n")[0]).parse_args_into_dataclasses(argv)
+    cfg = cli.parse_config(Config, argv, __doc__.split("\n\n")[0])
+    if cfg is None:
+        return 2
     try:
         prepare(cfg, argv)
     except UserError as e:

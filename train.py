@@ -574,10 +574,10 @@ def run_plan(cfg: Config) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from transformers import HfArgumentParser
-
     argv = sys.argv[1:] if argv is None else argv
-    (cfg,) = HfArgumentParser(Config, description=__doc__.split("\n\n")[0]).parse_args_into_dataclasses(argv)
+    cfg = cli.parse_config(Config, argv, __doc__.split("\n\n")[0])
+    if cfg is None:
+        return 2
     if cfg.plan:
         return run_plan(cfg)
     try:

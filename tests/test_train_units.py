@@ -3,6 +3,7 @@ resume settings."""
 
 import dataclasses
 import math
+import sys
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import models
 import plan
 import train
 from cli import UserError
+from conftest import launch_cmd, run
 
 
 def test_lr_warmup_then_cosine_to_floor():
@@ -208,3 +210,27 @@ def test_optimizer_stays_fused_after_loading_an_older_checkpoint():
         group["fused"] = None
     optimizer.load_state_dict(older)
     assert [g["fused"] for g in optimizer.param_groups] == [True, True]
+
+
+@pytest.mark.parametrize(
+    "command, said",
+    [
+        (["train.py", "--max_stepz", "5"], "--max_stepz: no such flag of train.py (did you mean --max_steps?"),
+        (["train.py", "--num_processes", "3"], "it is a flag of accelerate launch: put it before train.py"),
+        (["prepare_data.py", "--tokeniser=bpe:512"], "did you mean --tokenizer?"),
+        (["eval.py", "--model", "m", "stray"], "stray: no such flag of eval.py (python eval.py --help lists"),
+    ],
+)
+def test_an_unknown_flag_is_one_error_line(command, said):
+    proc = run([sys.executable, *command], check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.count("error:") == 1 and said in proc.stderr, proc.stderr
+
+
+def test_an_unknown_flag_under_the_launcher_is_said_once(tmp_path):
+    """Every process parses the same command line: rank 0 alone says so, and the launch fails."""
+    proc = run(launch_cmd(2, "--output_dir", tmp_path, "--mixed_precision", "fp16"), check=False)
+    assert proc.returncode != 0 and 'train.py", line' not in proc.stderr, proc.stderr[-3000:]  # the launcher's own
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: --mixed_precision")]
+    assert len(lines) == 1 and "put it before train.py" in lines[0], proc.stderr[-3000:]
+    assert not tmp_path.joinpath("checkpoints").exists()
