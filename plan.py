@@ -356,19 +356,23 @@ def measure_peak_flops(accelerator, precision: str) -> tuple[float, str]:
 # A CPU run times its own model for the plan (measure_model_rate) up to this many parameters in the 2-layer copy;
 # beyond it the copy would cost gigabytes and seconds, and the plan keeps --assumed_mfu of the timed matmul.
 MEASURED_COPY_MAX_PARAMS = 100e6
-MEASURED_RATE = "forward, loss and backward of 1 and 2 of its layers at this sequence and dtype, no ZeRO"
+MEASURED_RATE = (
+    "forward, loss and backward of 1 and 2 of its layers at this sequence and dtype; under ZeRO-3 the processes in "
+    "step at each layer"
+)
 # ... over at most this many tokens (whole sequences, at least one): the rate, not the run's memory, is measured.
 MEASURED_TOKENS = 1024
 
 
-def measure_model_rate(c, micro: int, seq_len: int, precision: str, attn: str, chunk: int) -> float | None:
+def measure_model_rate(c, micro: int, seq_len: int, precision: str, attn: str, chunk: int, sync=None) -> float | None:
     """FLOP/s this process reaches on the model itself, for the plan's compute time on CPUs (where small models reach
     a fraction of a big matmul's rate, and no fixed MFU fits them all): copies of the model with 1 and 2 decoder
     layers, in the run's dtype, each timed over forward, the run's loss (lmloss.model_nll, `chunk` tokens at a time)
     and backward at the run's sequence and micro-batch, capped at MEASURED_TOKENS (best of 2 after a warm-up), the
-    whole model's pass read as the 1-layer time + (layers - 1) x the second layer's. It leaves out what ZeRO adds
-    (gathers, hooks: the plan's link and copy terms) and the optimizer. Call it on every process at once: on a CPU
-    they share the cores. None for a copy over MEASURED_COPY_MAX_PARAMS."""
+    whole model's pass read as the 1-layer time + (layers - 1) x the second layer's. sync: called at each layer's start
+    and backward's end (lock_step), on every process at once. It leaves out what ZeRO moves (the plan's link and copy
+    terms) and the optimizer. Call it on every process at once: on a CPU they share the cores. None for a copy over
+    MEASURED_COPY_MAX_PARAMS."""
     import copy
 
     from transformers import AutoModelForCausalLM
@@ -391,6 +395,8 @@ def measure_model_rate(c, micro: int, seq_len: int, precision: str, attn: str, c
                 model = AutoModelForCausalLM.from_config(small, attn_implementation=attn, dtype=dtype)
             except (ValueError, TypeError, IndexError):  # a config whose per-layer lists do not shrink: not timed
                 return None
+            if sync is not None:
+                lock_step(model, sync)  # the same on every process: same config, same modules
             times = []
             for _ in range(3):
                 t0 = time.perf_counter()
@@ -401,6 +407,26 @@ def measure_model_rate(c, micro: int, seq_len: int, precision: str, attn: str, c
             del model, nll
     whole = seconds[0] + (c.num_hidden_layers - 1) * max(seconds[1] - seconds[0], 0.0)
     return model_flops_per_token(c, seq_len) * micro * seq_len / whole
+
+
+def lock_step(model, sync) -> bool:
+    """Calls sync() as each decoder layer starts its forward and as its backward ends: where ZeRO-3 gathers and
+    reduces that layer's parameters, and so where its processes wait for the slowest. Processes that outnumber the
+    cores finish a layer in turns there (3 on 2 cores: a layer takes two turns, not 1.5), which timing them apart
+    misses. The decoder layers: the model's longest ModuleList. False (nothing hooked) when it has none."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    if not lists:
+        return False
+
+    def before(module, args, kwargs):
+        sync()
+        hidden = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
+        if hidden is not None and hidden.requires_grad:
+            hidden.register_hook(lambda grad: (sync(), grad)[1])
+
+    for layer in max(lists, key=len):
+        layer.register_forward_pre_hook(before, with_kwargs=True)
+    return True
 
 
 def check_plan_flags(cfg) -> None:
@@ -416,16 +442,21 @@ def check_plan_flags(cfg) -> None:
 
 
 def live_cpu_rate(accelerator, cfg, c, launch: Launch) -> float | None:
-    """measure_model_rate on every process of a CPU run at once; the mean over processes. The copies are plain
-    models: transformers builds every model partitioned while Accelerate's DeepSpeed config is registered with it
-    (Accelerate's zero3_init_context_manager(enable=False) re-registers it, so it does not stop that)."""
+    """measure_model_rate on every process of a CPU run at once; the mean over processes. Under ZeRO-3 the processes
+    run the copies in lock step (a one-element all-reduce at each layer's start and backward's end), as the gathers
+    keep the run: on 3 processes sharing 2 cores, timing them apart planned ~2x the tokens/s the run reached. The
+    copies are plain models: transformers builds every model partitioned while Accelerate's DeepSpeed config is
+    registered with it (Accelerate's zero3_init_context_manager(enable=False) re-registers it, so it does not stop
+    that)."""
     from transformers.integrations import deepspeed as hf_deepspeed
 
     plugin = accelerator.state.deepspeed_plugin
     hf_deepspeed.unset_hf_deepspeed_config()
+    one = torch.zeros(1)
+    sync = (lambda: torch.distributed.all_reduce(one)) if launch.zero_stage == 3 and launch.world_size > 1 else None
     try:
         rate = measure_model_rate(c, cfg.micro_batch_size, cfg.seq_len, launch.precision, cfg.attn_implementation,
-                                  cfg.loss_chunk_tokens)  # fmt: skip
+                                  cfg.loss_chunk_tokens, sync)  # fmt: skip
     finally:
         if plugin is not None and plugin.dschf is not None:
             hf_deepspeed.set_hf_deepspeed_config(plugin.dschf)
@@ -435,7 +466,9 @@ def live_cpu_rate(accelerator, cfg, c, launch: Launch) -> float | None:
 
 def paper_cpu_rate(cfg, c, launch: Launch) -> float | None:
     """measure_model_rate for a CPU launch planned on paper, in this one process: as the launcher runs it, one thread
-    per process when there are several (torchrun's default), and the processes' share of this machine's cores."""
+    per process when there are several (torchrun's default), and the processes' share of this machine's cores. Under
+    ZeRO-3, where the processes go through the layers in lock step (see live_cpu_rate), processes that outnumber the
+    cores get one core in ceil(processes / cores) turns, not cores / processes of one."""
     threads = torch.get_num_threads()
     if launch.world_size > 1:
         torch.set_num_threads(1)
@@ -444,8 +477,10 @@ def paper_cpu_rate(cfg, c, launch: Launch) -> float | None:
                                   cfg.loss_chunk_tokens)  # fmt: skip
     finally:
         torch.set_num_threads(threads)
-    per_machine = launch.world_size // launch.nodes
-    return rate * min(1.0, len(os.sched_getaffinity(0)) / per_machine) if rate and per_machine > 1 else rate
+    per_machine, cores = launch.world_size // launch.nodes, len(os.sched_getaffinity(0))
+    if not rate or per_machine <= cores:
+        return rate
+    return rate / math.ceil(per_machine / cores) if launch.zero_stage == 3 else rate * cores / per_machine
 
 
 def peak_memory_gib(device: torch.device) -> float:

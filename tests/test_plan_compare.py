@@ -2,11 +2,13 @@
 against its own one-config plan, and the checks a real run makes at start (host RAM, the link's content).
 """
 
+import dataclasses
 import itertools
 import re
 import sys
 
 import pytest
+import torch
 from conftest import REPO, TINY, launch_cmd, run
 
 import costs
@@ -152,14 +154,34 @@ def test_cpu_plan_on_paper_times_the_model(capsys, monkeypatch):
     assert train.run_plan(cfg) == 0  # the CPU config: 3 processes
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("  step:"))
     assert float(re.search(r"compute at ([\d.e-]+) TFLOP/s per process \(measured on this model", line)[1]) > 0, line
-    import torch
-
     state = torch.get_rng_state()  # the timing leaves the run's random state alone
     assert plan.measure_model_rate(models.load_model_config("tiny", "", 32, None), 2, 32, "fp32", "sdpa", 16) > 0
     assert torch.equal(state, torch.get_rng_state())
     monkeypatch.setattr(plan, "MEASURED_COPY_MAX_PARAMS", 0)
     assert train.run_plan(cfg) == 0
     assert "compute at 0.035 TFLOP/s per process (35% MFU of 0.1 TFLOP/s)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("preset", ["tiny", "deepseek-v3-tiny"])
+def test_timed_copies_keep_zero3_processes_in_step_at_every_layer(preset):
+    """Each timed pass of the 1- and 2-layer copies (3 passes each) waits at every layer's start and again when its
+    backward ends: 3 x (1 + 2) x 2 waits, the forward's before the backward's."""
+    calls = []
+    c = models.load_model_config(preset, "", 32, None)
+    assert plan.measure_model_rate(c, 2, 32, "fp32", "sdpa", 16, sync=lambda: calls.append(torch.is_grad_enabled()))
+    assert calls == [True, False] * 3 + [True, True, False, False] * 3, calls  # grad mode is off in backward
+
+
+def test_paper_plan_gives_zero3_processes_beyond_the_cores_turns(monkeypatch):
+    """3 processes on 2 cores in lock step take two turns per layer: half a core each; apart they share 2/3."""
+    monkeypatch.setattr(plan, "measure_model_rate", lambda *a, **k: 1.0)
+    monkeypatch.setattr(plan.os, "sched_getaffinity", lambda pid: {0, 1})
+    cfg = train.Config(data_dir="none")
+    launch = plan.read_launch(str(REPO / "accelerate_configs/zero3_cpu.yaml"))
+    assert (launch.world_size, launch.zero_stage) == (3, 3)
+    assert plan.paper_cpu_rate(cfg, None, launch) == 0.5
+    assert plan.paper_cpu_rate(cfg, None, dataclasses.replace(launch, zero_stage=2)) == pytest.approx(2 / 3)
+    assert plan.paper_cpu_rate(cfg, None, dataclasses.replace(launch, world_size=2)) == 1.0
 
 
 def test_data_changed_on_the_link_stops_the_run_with_the_p2p_advice(docs_data, tmp_path):
