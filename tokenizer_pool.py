@@ -8,6 +8,7 @@ flat whatever a document's size. prepare_data.py's tokenizing pass (token_writer
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import multiprocessing
@@ -58,8 +59,12 @@ class Task:
     ends: bool = True
 
 
+LOAD_FAILED = -1  # the batch number of a tokenizer process's message that it could not load the tokenizer
+
+
 class WorkerDied(Exception):
-    """A tokenizer process ended without being asked to (the out-of-memory killer, kill -9, a crash): exit 3."""
+    """A tokenizer process ended without being asked to (the out-of-memory killer, kill -9, a crash), or could not load
+    the tokenizer the main process saved: exit 3."""
 
 
 _worker: dict = {}
@@ -120,7 +125,12 @@ def worker_loop(tasks, results, init_args: tuple) -> None:
     """A tokenizer process: take (number, batch) from the shared `tasks` queue, encode it and send (number, "ok",
     result) or (number, "error", the exception) on this process's own pipe, until None or until the main process is
     gone (killed: nothing would read the results, and the process would wait on the queue for ever)."""
-    init_tokenizer_worker(*init_args)
+    try:
+        init_tokenizer_worker(*init_args)
+    except Exception as e:  # said once by the main process, not as a traceback from each process
+        with contextlib.suppress(OSError):
+            results.send((LOAD_FAILED, "error", f"{type(e).__name__}: {e}"))
+        return
     if os.environ.get("TOKENIZER_TEST_FAULT") == "die_sending":  # tests: killed halfway through sending a result
         os.write(results.fileno(), (1 << 20).to_bytes(4, "big") + b"half a message")
         os.kill(os.getpid(), signal.SIGKILL)
@@ -168,6 +178,7 @@ class TokenizerPool:
             self.pipes.append(ours)
         self.submitted = 0
         self.received: dict[int, tuple] = {}
+        self.tokenizer_dir = init_args[0]
 
     def submit(self, task: Task) -> int:
         """Queue a batch; returns its number."""
@@ -182,6 +193,13 @@ class TokenizerPool:
                 number, status, value = pipe.recv()
             except (EOFError, OSError):
                 raise WorkerDied(self.death(self.processes[self.pipes.index(pipe)])) from None
+            if number == LOAD_FAILED:
+                pid = self.processes[self.pipes.index(pipe)].pid
+                self.stop()
+                raise WorkerDied(
+                    f"tokenizer process {pid} could not load the tokenizer saved in {self.tokenizer_dir} ({value}); "
+                    "--num_proc 1 loads it in the main process instead"
+                )
             self.received[number] = (status, value)
 
     def ready(self, number: int) -> bool:

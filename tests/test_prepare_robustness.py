@@ -140,6 +140,21 @@ def test_a_process_killed_halfway_through_a_result_is_named_not_waited_on(docs_d
         pool.stop()
 
 
+def test_a_tokenizer_that_no_process_can_load_is_one_message_not_tracebacks(tmp_path, capfd):
+    """Each tokenizer process loads the tokenizer the main process saved; when that fails there, the pool says why once
+    (the main process prints it as the one error: line) instead of each process printing its traceback."""
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": ')  # cut off
+    pool = tokenizer_pool.TokenizerPool(2, (str(tmp_path), "<u2", 0, False))
+    try:
+        said = rf"tokenizer process \d+ could not load the tokenizer saved in {re.escape(str(tmp_path))} \(.*EOF while"
+        with pytest.raises(tokenizer_pool.WorkerDied, match=said):
+            pool.result(pool.submit(tokenizer_pool.Task("train", ["some text"])))
+        assert all(process.exitcode is not None for process in pool.processes)
+    finally:
+        pool.stop()
+    assert "Traceback" not in capfd.readouterr().err
+
+
 # --- item 6: long documents in bounded pieces, the same ids as whole --------------------------------------------------
 
 
