@@ -50,35 +50,52 @@ def given_fields(config_class, argv: list[str]) -> set[str]:
     return set(vars(parser.parse_known_args(argv)[0]))
 
 
-# accelerate launch's own flags, often put after the script by mistake
+# accelerate launch's own flags (spelled with _ here; it takes - too), often put after the script by mistake
 LAUNCHER_FLAGS = ("--config_file", "--num_processes", "--num_machines", "--machine_rank", "--main_process_ip",
-                  "--main_process_port", "--mixed_precision", "--use_deepspeed", "--zero_stage", "--gpu_ids", "--cpu")
+                  "--main_process_port", "--mixed_precision", "--use_deepspeed", "--zero_stage", "--gpu_ids", "--cpu",
+                  "--multi_gpu", "--deepspeed_config_file", "--num_cpu_threads_per_process", "--max_restarts")
+
+
+class _BadCommandLine(Exception):
+    pass
+
+
+def _refuse(message: str):
+    raise _BadCommandLine(message)
 
 
 def parse_config(config_class, argv: list[str] | None, doc: str):
-    """The Config of a command line, or None after one `error:` line when it has words no flag takes (a typo, a flag of
-    the launcher): HfArgumentParser would raise a ValueError with a traceback. Printed by rank 0 only, when launched:
-    every process parses the same line."""
+    """The Config of a command line, or None after one `error:` line (rank 0's only, when launched: every process
+    parses the same line) when a word is no flag's (a typo, a flag of the launcher) or argparse refuses one (a bad
+    value, a missing one, an ambiguous prefix). Unhandled, the first is HfArgumentParser's ValueError traceback and
+    the others argparse's usage block, from every process."""
     import difflib
 
     from transformers import HfArgumentParser
 
     parser = HfArgumentParser(config_class, description=doc)
-    cfg, rest = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
-    if not rest:
-        return cfg
-    flags = [f"--{f.name}" for f in dataclasses.fields(config_class)]
+    parser.error = _refuse  # argparse prints its usage and exits on its own; here it says why in one line
     script = Path(sys.argv[0]).name if sys.argv[0].endswith(".py") else "the script"
-    word = ([w for w in rest if w.startswith("-")] or rest)[0].split("=")[0]
-    close = difflib.get_close_matches(word, flags, n=1, cutoff=0.8)
-    if word in LAUNCHER_FLAGS:
-        hint = f"it is a flag of accelerate launch: put it before {script}"
-    elif close:
-        hint = f"did you mean {close[0]}? python {script} --help lists the flags"
-    else:
-        hint = f"python {script} --help lists the flags"
+    try:
+        cfg, rest = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
+    except _BadCommandLine as e:
+        rest, said = None, f"{e}; python {script} --help lists the flags"
+    if rest == []:
+        return cfg
+    if rest:
+        word = ([w for w in rest if w.startswith("-")] or rest)[0].split("=")[0]
+        flags = [name for action in parser._actions for name in action.option_strings]
+        close = difflib.get_close_matches(word, flags, n=1, cutoff=0.8)
+        if "--" + word.lstrip("-").replace("-", "_") in LAUNCHER_FLAGS:
+            said = f"{word}: a flag of accelerate launch, not of {script}: put it before {script}"
+        elif not word.startswith("-"):
+            said = f"{word!r}: a word no flag of {script} takes; python {script} --help lists the flags"
+        else:
+            hint = f"did you mean {close[0]}? " if close else ""
+            said = f"{word}: no such flag of {script} ({hint}python {script} --help lists the flags)"
+        said += f"; the command line's words not taken: {' '.join(map(repr, rest))}"
     if os.environ.get("RANK", "0") == "0":
-        print_error(f"{word}: no such flag of {script} ({hint}); the command line's words not taken: {' '.join(rest)}")
+        print_error(said)
     return None
 
 

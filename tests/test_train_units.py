@@ -216,9 +216,12 @@ def test_optimizer_stays_fused_after_loading_an_older_checkpoint():
     "command, said",
     [
         (["train.py", "--max_stepz", "5"], "--max_stepz: no such flag of train.py (did you mean --max_steps?"),
-        (["train.py", "--num_processes", "3"], "it is a flag of accelerate launch: put it before train.py"),
+        (["train.py", "--no_eval_at_startt"], "(did you mean --no_eval_at_start?"),  # not --eval_at_start
+        (["train.py", "--num-processes", "3"], "a flag of accelerate launch, not of train.py: put it before train.py"),
         (["prepare_data.py", "--tokeniser=bpe:512"], "did you mean --tokenizer?"),
-        (["eval.py", "--model", "m", "stray"], "stray: no such flag of eval.py (python eval.py --help lists"),
+        (["eval.py", "--model", "m", "stray"], "'stray': a word no flag of eval.py takes"),
+        (["train.py", "--max", "2"], "ambiguous option: --max could match --max_steps"),  # argparse's own refusals
+        (["train.py", "--max_steps", "abc"], "invalid int value: 'abc'; python train.py --help lists the flags"),
     ],
 )
 def test_an_unknown_flag_is_one_error_line(command, said):
@@ -227,10 +230,13 @@ def test_an_unknown_flag_is_one_error_line(command, said):
     assert proc.stderr.count("error:") == 1 and said in proc.stderr, proc.stderr
 
 
-def test_an_unknown_flag_under_the_launcher_is_said_once(tmp_path):
-    """Every process parses the same command line: rank 0 alone says so, and the launch fails."""
-    proc = run(launch_cmd(2, "--output_dir", tmp_path, "--mixed_precision", "fp16"), check=False)
+@pytest.mark.parametrize("flag, value, said", [("--mixed_precision", "fp16", "put it before train.py"),
+                                               ("--max_steps", "abc", "invalid int value")])  # fmt: skip
+def test_an_unknown_flag_under_the_launcher_is_said_once(tmp_path, flag, value, said):
+    """Every process parses the same command line: rank 0 alone says what is wrong, and the launch fails."""
+    proc = run(launch_cmd(2, "--output_dir", tmp_path, flag, value), check=False)
     assert proc.returncode != 0 and 'train.py", line' not in proc.stderr, proc.stderr[-3000:]  # the launcher's own
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: --mixed_precision")]
-    assert len(lines) == 1 and "put it before train.py" in lines[0], proc.stderr[-3000:]
+    assert "usage:" not in proc.stderr, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and said in lines[0], proc.stderr[-3000:]
     assert not tmp_path.joinpath("checkpoints").exists()
