@@ -129,7 +129,7 @@ def worker_loop(tasks, results, init_args: tuple) -> None:
         init_tokenizer_worker(*init_args)
     except Exception as e:  # said once by the main process, not as a traceback from each process
         with contextlib.suppress(OSError):
-            results.send((LOAD_FAILED, "error", f"{type(e).__name__}: {e}"))
+            results.send((LOAD_FAILED, "error", f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"))  # one line
         return
     if os.environ.get("TOKENIZER_TEST_FAULT") == "die_sending":  # tests: killed halfway through sending a result
         os.write(results.fileno(), (1 << 20).to_bytes(4, "big") + b"half a message")
@@ -198,7 +198,7 @@ class TokenizerPool:
                 self.stop()
                 raise WorkerDied(
                     f"tokenizer process {pid} could not load the tokenizer saved in {self.tokenizer_dir} ({value}); "
-                    "--num_proc 1 loads it in the main process instead"
+                    "with --num_proc 1 the main process loads and runs it instead"
                 )
             self.received[number] = (status, value)
 

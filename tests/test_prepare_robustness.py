@@ -140,15 +140,19 @@ def test_a_process_killed_halfway_through_a_result_is_named_not_waited_on(docs_d
         pool.stop()
 
 
-def test_a_tokenizer_that_no_process_can_load_is_one_message_not_tracebacks(tmp_path, capfd):
-    """Each tokenizer process loads the tokenizer the main process saved; when that fails there, the pool says why once
-    (the main process prints it as the one error: line) instead of each process printing its traceback."""
-    (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": ')  # cut off
+@pytest.mark.parametrize("tokenizer_json, why", [('{"version": "1.0", "model": ', "EOF while"), (None, "ValueError")])
+def test_a_tokenizer_that_no_process_can_load_is_one_message_not_tracebacks(tmp_path, capfd, tokenizer_json, why):
+    """Each tokenizer process loads the tokenizer the main process saved; when that fails there (a tokenizer.json cut
+    off; none, where AutoTokenizer's error spans lines), the pool says why once, on one line (the main process prints
+    it as the one error: line), instead of each process printing its traceback."""
+    if tokenizer_json is not None:
+        (tmp_path / "tokenizer.json").write_text(tokenizer_json)
     pool = tokenizer_pool.TokenizerPool(2, (str(tmp_path), "<u2", 0, False))
     try:
-        said = rf"tokenizer process \d+ could not load the tokenizer saved in {re.escape(str(tmp_path))} \(.*EOF while"
-        with pytest.raises(tokenizer_pool.WorkerDied, match=said):
+        said = rf"tokenizer process \d+ could not load the tokenizer saved in {re.escape(str(tmp_path))} \(.*{why}"
+        with pytest.raises(tokenizer_pool.WorkerDied, match=said) as raised:
             pool.result(pool.submit(tokenizer_pool.Task("train", ["some text"])))
+        assert "\n" not in str(raised.value)
         assert all(process.exitcode is not None for process in pool.processes)
     finally:
         pool.stop()
