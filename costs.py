@@ -348,15 +348,15 @@ def strategy_name(launch: Launch) -> str:
 
 
 def machine_for(cfg, launch: Launch, peak_flops_per_device: float, links: dict | None = None,
-                gpu_memory_gib: float = 0.0, model_rate: float | None = None) -> Machine:  # fmt: skip
+                gpu_memory_gib: float = 0.0, model_rate: float | None = None, paper: bool = False) -> Machine:
     """The Machine a plan of train.py's Config divides by: measured figures where given (links: plan.measure_links of
-    the run; gpu_memory_gib > 0: the device's; model_rate: plan.measure_model_rate's FLOP/s), else the flags (compute:
-    --assumed_mfu of the peak) and, for the device's copy rate, the RTX 4090's datasheet (or an assumed 10 GB/s for a
-    CPU core)."""
+    the run; gpu_memory_gib > 0: the device's; model_rate: plan.measure_model_rate's FLOP/s, `paper` or live), else
+    the flags (compute: --assumed_mfu of the peak) and, for the device's copy rate, the RTX 4090's datasheet (or an
+    assumed 10 GB/s for a CPU core)."""
     links = links or {}
     assumed = cfg.interconnect_gb_s
     if model_rate:
-        flops, source = model_rate, f"measured on this model: {plan.MEASURED_RATE}"
+        flops, source = model_rate, f"measured on this model: {plan.measured_rate_source(launch, paper)}"
     else:
         flops = peak_flops_per_device * cfg.assumed_mfu
         source = f"{cfg.assumed_mfu:.0%} MFU of {peak_flops_per_device / 1e12:.3g} TFLOP/s"
@@ -592,7 +592,7 @@ def print_plan(cfg, model_config) -> None:
     peak = plan.GPU_PEAK_FLOPS["RTX 4090"] if launch.gpu else 0.1e12  # the target card; a CPU core at ~100 GFLOP/s
     base = GPU_PROCESS_HOST_GIB * GIB if launch.gpu else plan.process_rss_gib() * GIB  # before the timing
     rate = None if launch.gpu else plan.paper_cpu_rate(cfg, model_config, launch)
-    machine = machine_for(cfg, launch, peak, model_rate=rate)
+    machine = machine_for(cfg, launch, peak, model_rate=rate, paper=True)
     if cfg.compare:
         lines, _ = compare(model_config, cfg, launch, machine, base)
     else:

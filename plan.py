@@ -356,10 +356,16 @@ def measure_peak_flops(accelerator, precision: str) -> tuple[float, str]:
 # A CPU run times its own model for the plan (measure_model_rate) up to this many parameters in the 2-layer copy;
 # beyond it the copy would cost gigabytes and seconds, and the plan keeps --assumed_mfu of the timed matmul.
 MEASURED_COPY_MAX_PARAMS = 100e6
-MEASURED_RATE = (
-    "forward, loss and backward of 1 and 2 of its layers at this sequence and dtype; under ZeRO-3 the processes in "
-    "step at each layer"
-)
+MEASURED_RATE = "forward, loss and backward of 1 and 2 of its layers at this sequence and dtype"
+
+
+def measured_rate_source(launch: Launch, paper: bool) -> str:
+    """How the plan's compute rate was measured (live_cpu_rate, or paper_cpu_rate when `paper`), for the plan line."""
+    lock_step = launch.zero_stage == 3 and launch.world_size > 1
+    if paper:
+        turns = "; under ZeRO-3 processes beyond the cores take turns" if lock_step else ""
+        return f"{MEASURED_RATE}, one process on paper, its share of the cores{turns}"
+    return f"{MEASURED_RATE}, all processes at once{', in step at each layer' if lock_step else ''}"
 # ... over at most this many tokens (whole sequences, at least one): the rate, not the run's memory, is measured.
 MEASURED_TOKENS = 1024
 
