@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import json
 import logging
 import os
@@ -65,10 +66,10 @@ def _refuse(message: str):
 
 
 def parse_config(config_class, argv: list[str] | None, doc: str):
-    """The Config of a command line, or None after one `error:` line (rank 0's only, when launched: every process
-    parses the same line) when a word is no flag's (a typo, a flag of the launcher) or argparse refuses one (a bad
-    value, a missing one, an ambiguous prefix). Unhandled, the first is HfArgumentParser's ValueError traceback and
-    the others argparse's usage block, from every process."""
+    """The Config of a command line, or None after one `error:` line when a word is no flag's (a typo, a flag of the
+    launcher) or argparse refuses one (a bad value, a missing one, an ambiguous prefix). Unhandled, the first is
+    HfArgumentParser's ValueError traceback and the others argparse's usage block, from every process. Launched,
+    every process parses the same line: rank 0 says it, and the launcher stops the others when rank 0 exits."""
     import difflib
 
     from transformers import HfArgumentParser
@@ -76,8 +77,10 @@ def parse_config(config_class, argv: list[str] | None, doc: str):
     parser = HfArgumentParser(config_class, description=doc)
     parser.error = _refuse  # argparse prints its usage and exits on its own; here it says why in one line
     script = Path(sys.argv[0]).name if sys.argv[0].endswith(".py") else "the script"
+    rank = os.environ.get("RANK", "0")  # the launcher's: Accelerate has not started yet
     try:
-        cfg, rest = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
+        with contextlib.redirect_stdout(io.StringIO()) if rank != "0" else contextlib.nullcontext():  # --help once
+            cfg, rest = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
     except _BadCommandLine as e:
         rest, said = None, f"{e}; python {script} --help lists the flags"
     if rest == []:
@@ -94,8 +97,10 @@ def parse_config(config_class, argv: list[str] | None, doc: str):
             hint = f"did you mean {close[0]}? " if close else ""
             said = f"{word}: no such flag of {script} ({hint}python {script} --help lists the flags)"
         said += f"; the command line's words not taken: {' '.join(map(repr, rest))}"
-    if os.environ.get("RANK", "0") == "0":
-        print_error(said)
+    if rank != "0":  # as print_error does once the process group is up: rank 0 says it, unless it cannot
+        time.sleep(5)
+        said = f"(rank {rank}) {said}"
+    print_error(said)
     return None
 
 
