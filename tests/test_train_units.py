@@ -240,3 +240,8 @@ def test_an_unknown_flag_under_the_launcher_is_said_once(tmp_path, flag, value, 
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(lines) == 1 and said in lines[0], proc.stderr[-3000:]
     assert not tmp_path.joinpath("checkpoints").exists()
+
+
+def test_help_under_the_launcher_is_printed_once():
+    proc = run(launch_cmd(2, "--help"))
+    assert proc.stdout.count("usage: train.py") == 1, proc.stdout[-3000:]
