@@ -357,6 +357,8 @@ def measure_peak_flops(accelerator, precision: str) -> tuple[float, str]:
 # beyond it the copy would cost gigabytes and seconds, and the plan keeps --assumed_mfu of the timed matmul.
 MEASURED_COPY_MAX_PARAMS = 100e6
 MEASURED_RATE = "forward, loss and backward of 1 and 2 of its layers at this sequence and dtype"
+# ... over at most this many tokens (whole sequences, at least one): the rate, not the run's memory, is measured.
+MEASURED_TOKENS = 1024
 
 
 def measured_rate_source(launch: Launch, paper: bool) -> str:
@@ -366,8 +368,6 @@ def measured_rate_source(launch: Launch, paper: bool) -> str:
         turns = "; under ZeRO-3 processes beyond the cores take turns" if lock_step else ""
         return f"{MEASURED_RATE}, one process on paper, its share of the cores{turns}"
     return f"{MEASURED_RATE}, all processes at once{', in step at each layer' if lock_step else ''}"
-# ... over at most this many tokens (whole sequences, at least one): the rate, not the run's memory, is measured.
-MEASURED_TOKENS = 1024
 
 
 def measure_model_rate(c, micro: int, seq_len: int, precision: str, attn: str, chunk: int, sync=None) -> float | None:
@@ -402,7 +402,7 @@ def measure_model_rate(c, micro: int, seq_len: int, precision: str, attn: str, c
             except (ValueError, TypeError, IndexError):  # a config whose per-layer lists do not shrink: not timed
                 return None
             if sync is not None:
-                lock_step(model, sync)  # the same on every process: same config, same modules
+                lock_step(model, sync, small.num_hidden_layers)  # the same on every process: same config
             times = []
             for _ in range(3):
                 t0 = time.perf_counter()
@@ -415,14 +415,18 @@ def measure_model_rate(c, micro: int, seq_len: int, precision: str, attn: str, c
     return model_flops_per_token(c, seq_len) * micro * seq_len / whole
 
 
-def lock_step(model, sync) -> bool:
+def lock_step(model, sync, layers: int) -> None:
     """Calls sync() as each decoder layer starts its forward and as its backward ends: where ZeRO-3 gathers and
     reduces that layer's parameters, and so where its processes wait for the slowest. Processes that outnumber the
     cores finish a layer in turns there (3 on 2 cores: a layer takes two turns, not 1.5), which timing them apart
-    misses. The decoder layers: the model's longest ModuleList. False (nothing hooked) when it has none."""
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
-    if not lists:
-        return False
+    misses. The decoder layers: the one ModuleList of `layers` modules (by its name when several are that long; none
+    hooked when that is not one, the same on every process: a list of experts, which ranks call differently, must
+    never be taken)."""
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) == layers]
+    if len(lists) > 1:
+        lists = [(name, m) for name, m in lists if name.rsplit(".", 1)[-1] in ("layers", "h", "blocks")]
+    if len(lists) != 1:
+        return
 
     def before(module, args, kwargs):
         sync()
@@ -430,9 +434,8 @@ def lock_step(model, sync) -> bool:
         if hidden is not None and hidden.requires_grad:
             hidden.register_hook(lambda grad: (sync(), grad)[1])
 
-    for layer in max(lists, key=len):
+    for layer in lists[0][1]:
         layer.register_forward_pre_hook(before, with_kwargs=True)
-    return True
 
 
 def check_plan_flags(cfg) -> None:

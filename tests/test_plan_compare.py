@@ -172,6 +172,35 @@ def test_timed_copies_keep_zero3_processes_in_step_at_every_layer(preset):
     assert calls == [True, False] * 3 + [True, True, False, False] * 3, calls  # grad mode is off in backward
 
 
+def test_lock_step_never_hooks_a_list_of_experts():
+    """Ranks call different experts: a sync in one would hang the others. A model whose experts are a ModuleList as
+    long as its layers list gets the layers hooked; one with no list named like layers gets none."""
+    calls = []
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+
+        def forward(self, x):
+            return self.experts[0](x)
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([Block(), Block()])
+    plan.lock_step(model, lambda: calls.append(1), 2)
+    x = torch.ones(1, 4, requires_grad=True)
+    for block in model.layers:
+        x = block(x)
+    x.sum().backward()
+    assert len(calls) == 4, calls  # 2 layers x (forward, backward); the experts' lists are as long but not named so
+    odd = torch.nn.Module()
+    odd.experts = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+    odd.blocks_of_other_name = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+    plan.lock_step(odd, lambda: calls.append(1), 2)
+    odd.experts[0](torch.ones(1, 4))
+    assert len(calls) == 4
+
+
 def test_paper_plan_gives_zero3_processes_beyond_the_cores_turns(monkeypatch):
     """3 processes on 2 cores in lock step take two turns per layer: half a core each; apart they share 2/3."""
     monkeypatch.setattr(plan, "measure_model_rate", lambda *a, **k: 1.0)
