@@ -89,7 +89,7 @@ def parse_config(config_class, argv: list[str] | None, doc: str):
         word = ([w for w in rest if w.startswith("-")] or rest)[0].split("=")[0]
         flags = [name for action in parser._actions for name in action.option_strings]
         close = difflib.get_close_matches(word, flags, n=1, cutoff=0.8)
-        if "--" + word.lstrip("-").replace("-", "_") in LAUNCHER_FLAGS:
+        if word.startswith("--") and "--" + word[2:].replace("-", "_") in LAUNCHER_FLAGS:
             said = f"{word}: a flag of accelerate launch, not of {script}: put it before {script}"
         elif not word.startswith("-"):
             said = f"{word!r}: a word no flag of {script} takes; python {script} --help lists the flags"

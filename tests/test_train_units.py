@@ -220,6 +220,7 @@ def test_optimizer_stays_fused_after_loading_an_older_checkpoint():
         (["train.py", "--num-processes", "3"], "a flag of accelerate launch, not of train.py: put it before train.py"),
         (["prepare_data.py", "--tokeniser=bpe:512"], "did you mean --tokenizer?"),
         (["eval.py", "--model", "m", "stray"], "'stray': a word no flag of eval.py takes"),
+        (["train.py", "cpu"], "'cpu': a word no flag of train.py takes"),  # not accelerate's --cpu
         (["train.py", "--max", "2"], "ambiguous option: --max could match --max_steps"),  # argparse's own refusals
         (["train.py", "--max_steps", "abc"], "invalid int value: 'abc'; python train.py --help lists the flags"),
     ],
