@@ -77,9 +77,9 @@ def parse_config(config_class, argv: list[str] | None, doc: str):
     parser = HfArgumentParser(config_class, description=doc)
     parser.error = _refuse  # argparse prints its usage and exits on its own; here it says why in one line
     script = Path(sys.argv[0]).name if sys.argv[0].endswith(".py") else "the script"
-    rank = os.environ.get("RANK", "0")  # the launcher's: Accelerate has not started yet
+    rank = int(os.environ.get("RANK", "0"))  # the launcher's: Accelerate has not started yet
     try:
-        with contextlib.redirect_stdout(io.StringIO()) if rank != "0" else contextlib.nullcontext():  # --help once
+        with contextlib.redirect_stdout(io.StringIO()) if rank else contextlib.nullcontext():  # --help once
             cfg, rest = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
     except _BadCommandLine as e:
         rest, said = None, f"{e}; python {script} --help lists the flags"
@@ -97,10 +97,7 @@ def parse_config(config_class, argv: list[str] | None, doc: str):
             hint = f"did you mean {close[0]}? " if close else ""
             said = f"{word}: no such flag of {script} ({hint}python {script} --help lists the flags)"
         said += f"; the command line's words not taken: {' '.join(map(repr, rest))}"
-    if rank != "0":  # as print_error does once the process group is up: rank 0 says it, unless it cannot
-        time.sleep(5)
-        said = f"(rank {rank}) {said}"
-    print_error(said)
+    print_error(said, rank)
     return None
 
 
@@ -249,16 +246,19 @@ def progress_bar(**kwargs):
     return tqdm(**kwargs, disable=disable)
 
 
-def print_error(message: str) -> None:
+def print_error(message: str, rank: int | None = None) -> None:
     """The one `error:` line on stderr. When one process fails, the launcher kills the others at once; so that the
     line is printed exactly once and always, rank 0 prints at once and any other rank only if it is still alive a few
-    seconds later (rank 0 did not fail the same way, or is slower to)."""
+    seconds later (rank 0 did not fail the same way, or is slower to). rank: the process group's when it is up, else
+    this one (a launched process before its process group starts: the launcher's RANK), else none: print at once."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+    if rank is None and dist.is_available() and dist.is_initialized():
+        rank = dist.get_rank()
+    if rank:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # train.py's stop handler must not outlive the launcher's kill
         time.sleep(5)
-        message = f"(rank {dist.get_rank()}) {message}"
+        message = f"(rank {rank}) {message}"
     print(f"error: {message}", file=sys.stderr, flush=True)
 
 
