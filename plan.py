@@ -361,9 +361,15 @@ MEASURED_RATE = "forward, loss and backward of 1 and 2 of its layers at this seq
 MEASURED_TOKENS = 1024
 
 
+def in_lock_step(launch: Launch) -> bool:
+    """Whether the launch's processes go through the layers together (ZeRO-3 gathers each layer's parameters on all of
+    them): live_cpu_rate times them so, paper_cpu_rate gives them turns of the cores."""
+    return launch.zero_stage == 3 and launch.world_size > 1
+
+
 def measured_rate_source(launch: Launch, paper: bool) -> str:
     """How the plan's compute rate was measured (live_cpu_rate, or paper_cpu_rate when `paper`), for the plan line."""
-    lock_step = launch.zero_stage == 3 and launch.world_size > 1
+    lock_step = in_lock_step(launch)
     if paper:
         turns = "; under ZeRO-3 processes beyond the cores take turns" if lock_step else ""
         return f"{MEASURED_RATE}, one process on paper, its share of the cores{turns}"
@@ -462,7 +468,7 @@ def live_cpu_rate(accelerator, cfg, c, launch: Launch) -> float | None:
     plugin = accelerator.state.deepspeed_plugin
     hf_deepspeed.unset_hf_deepspeed_config()
     one = torch.zeros(1)
-    sync = (lambda: torch.distributed.all_reduce(one)) if launch.zero_stage == 3 and launch.world_size > 1 else None
+    sync = (lambda: torch.distributed.all_reduce(one)) if in_lock_step(launch) else None
     try:
         rate = measure_model_rate(c, cfg.micro_batch_size, cfg.seq_len, launch.precision, cfg.attn_implementation,
                                   cfg.loss_chunk_tokens, sync)  # fmt: skip
@@ -489,7 +495,7 @@ def paper_cpu_rate(cfg, c, launch: Launch) -> float | None:
     per_machine, cores = launch.world_size // launch.nodes, len(os.sched_getaffinity(0))
     if not rate or per_machine <= cores:
         return rate
-    return rate / math.ceil(per_machine / cores) if launch.zero_stage == 3 else rate * cores / per_machine
+    return rate / math.ceil(per_machine / cores) if in_lock_step(launch) else rate * cores / per_machine
 
 
 def peak_memory_gib(device: torch.device) -> float:
