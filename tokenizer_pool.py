@@ -189,16 +189,16 @@ class TokenizerPool:
     def receive(self, block: bool) -> None:
         """Take in what the processes have sent (block: wait for at least one); WorkerDied when a pipe has ended."""
         for pipe in multiprocessing.connection.wait(self.pipes, timeout=None if block else 0):
+            process = self.processes[self.pipes.index(pipe)]
             try:
                 number, status, value = pipe.recv()
             except (EOFError, OSError):
-                raise WorkerDied(self.death(self.processes[self.pipes.index(pipe)])) from None
+                raise WorkerDied(self.death(process)) from None
             if number == LOAD_FAILED:
-                pid = self.processes[self.pipes.index(pipe)].pid
                 self.stop()
                 raise WorkerDied(
-                    f"tokenizer process {pid} could not load the tokenizer saved in {self.tokenizer_dir} ({value}); "
-                    "with --num_proc 1 the main process loads and runs it instead"
+                    f"tokenizer process {process.pid} could not load the tokenizer saved in {self.tokenizer_dir} "
+                    f"({value}); with --num_proc 1 the main process loads and runs it instead"
                 )
             self.received[number] = (status, value)
 
