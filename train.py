@@ -392,12 +392,15 @@ def setup(cfg: Config, given: set[str]) -> tuple[Run, Parts]:
         accelerator.print(replanned)
     cfg, batch, launch = run.cfg, run.batch, run.launch
     accelerator.gradient_accumulation_steps = launch.grad_accum_steps  # a DeepSpeed JSON may be what sets it
+    # A CPU's matmul kernels may round differently with another thread count (MKL on AMD EPYC does for 5-11 rows, as
+    # MoE experts get): the launcher decides it per process, so the run says it.
+    cpu = accelerator.device.type == "cpu"
     accelerator.print(
         f"batch plan: {batch.micro_batch_size} micro x {launch.grad_accum_steps} accumulation x "
         f"{launch.world_size} processes = {batch.sequences_per_step} sequences = {batch.tokens_per_step:,} tokens "
         f"per step; {run.total_steps} steps ({run.total_steps * batch.sequences_per_step / run.data.n_windows:.2f} "
         f"epochs of {run.data.n_windows:,} windows); {accelerator.distributed_type.value}, {launch.precision}, "
-        f"on {accelerator.device.type}"
+        f"on {accelerator.device.type}" + (f", torch threads per process: {torch.get_num_threads()}" if cpu else "")
     )
     peak_flops, peak_source = plan.measure_peak_flops(accelerator, launch.precision)
     costs.check_fits(run, accelerator, peak_flops, plan.measure_links(accelerator))

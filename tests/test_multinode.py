@@ -1,6 +1,14 @@
 """Two `accelerate launch` "machines" on this one host over loopback (CPU, gloo, ZeRO-3, 1 process each): same losses
-as one launch of the same world size and global batch, and both machines resume with --resume auto."""
+and weights as one launch of the same world size and global batch, and both machines resume with --resume auto.
 
+Both launches run one torch thread per process: torchrun gives each of one launch's 2 processes one thread, but a
+machine's one process would take both cores (accelerate 1.15's DeepSpeed launch ignores --num_cpu_threads_per_process;
+OMP_NUM_THREADS is what torchrun passes on). The thread count is part of the computation:
+MKL's float32 matmul on AMD EPYC rounds differently with 2 threads than with 1 for 5 to 11 rows (measured for
+inner sizes 32 and 64), which is what the MoE experts' token groups are, so the weights drifted 1.1e-6 apart in
+6 steps (issue #44). With the same threads the two runs are the same computation."""
+
+import os
 import subprocess
 
 import pytest
@@ -29,17 +37,28 @@ def launch_two_machines(*train_args, cwds=(REPO, REPO)):
         "standard",
     ]
     args = [str(REPO / "train.py"), *map(str, train_args)]
+    env = {"OMP_NUM_THREADS": "1"}
     second = subprocess.Popen(
-        base + ["--machine_rank", "1"] + args, cwd=cwds[1], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        base + ["--machine_rank", "1"] + args,
+        cwd=cwds[1],
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
-        first = run(base + ["--machine_rank", "0"] + args, cwd=cwds[0])
+        first = run(base + ["--machine_rank", "0"] + args, cwd=cwds[0], env=env)
         out, _ = second.communicate(timeout=300)
     finally:
         second.kill()
     assert second.returncode == 0, out[-4000:]
     assert_processes(first, 2)
+    assert_one_thread(first)
     return first
+
+
+def assert_one_thread(proc):
+    assert "on cpu, torch threads per process: 1" in proc.stdout, proc.stdout[-3000:]
 
 
 # The model is the MoE preset: its routers' biases are saved by Accelerate on rank 0 only, so on node-local disks
@@ -52,7 +71,7 @@ COMMON = [*TINY, "--model_config", "deepseek-v3-tiny", "--micro_batch_size", "2"
 def single(docs_data, tmp_path_factory):
     """One launch of 2 processes, 6 steps: what both two-machine runs must equal."""
     out = tmp_path_factory.mktemp("single") / "out"
-    launch(2, *COMMON, "--data_dir", docs_data, "--max_steps", "6", "--output_dir", out)
+    assert_one_thread(launch(2, *COMMON, "--data_dir", docs_data, "--max_steps", "6", "--output_dir", out))
     return out
 
 
