@@ -9,6 +9,7 @@
 - quiet_console / without_noise / progress_bar: third-party start-up lines that carry no information are dropped,
   and progress bars show only on a terminal.
 - print_error: the one `error:` line a failed process leaves, seen in every kind of launch.
+- console_to_file: where the console goes once the terminal is gone.
 - FAULTS / fault: the crash tests' switch (TRAIN_TEST_FAULT), every point it can hit in one table, inert unless set.
 - exit_process: the end of a launched process (see its docstring for the crash it avoids).
 """
@@ -260,6 +261,15 @@ def print_error(message: str, rank: int | None = None) -> None:
         time.sleep(5)
         message = f"(rank {rank}) {message}"
     print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+def console_to_file(path: Path) -> None:
+    """Point this process's stdout and stderr at the end of `path` (a hung-up terminal: every write to it fails with
+    EIO, and an error raised by a print would end the run before its checkpoint)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    for stream in (1, 2):
+        os.dup2(fd, stream)
+    os.close(fd)
 
 
 def exit_process(code: int) -> None:

@@ -25,6 +25,11 @@ import torch
 import metrics
 
 
+# The signals torchrun's agent (under accelerate launch) catches and passes on to its workers before it kills them
+# (TORCHELASTIC_SIGNALS_TO_HANDLE's default): each one asks the run to save and stop.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
 def any_process(accelerator, asked: bool) -> bool:
     """Whether any process was asked to stop: one all-reduce of a flag after every step, so that every process stops
     after the same step, the one the signal came in. Reading it a step later, to overlap it with compute, was not

@@ -258,6 +258,8 @@ def check(cfg: Config, given: set[str], accelerator) -> Run:
     --init_from is not read again."""
     check_flags(cfg)
     checkpoint.check_output_dir(cfg.output_dir, cfg.resume)
+    if Path(cfg.output_dir).is_dir():  # before anything in it is read: another run may be writing it (a new OUT: setup)
+        checkpoint.lock_run_dir(accelerator, Path(cfg.output_dir))
     found = checkpoint.find_resume_checkpoint(cfg.resume, Path(cfg.output_dir) / "checkpoints", accelerator)
     resume = checkpoint.Resume(found, checkpoint.read_trainer_state(found)) if found else None
     if resume is not None:
@@ -409,6 +411,7 @@ def setup(cfg: Config, given: set[str]) -> tuple[Run, Parts]:
     out, ckpt_root = Path(cfg.output_dir), Path(cfg.output_dir) / "checkpoints"
     if accelerator.is_local_main_process:
         checkpoint.mark_train_run(out)
+    checkpoint.lock_run_dir(accelerator, out)
     finaliser = checkpoint.first_process_on_disk(accelerator, ckpt_root)
     if finaliser:
         removed = checkpoint.remove_leftovers(ckpt_root, finished=False)
@@ -459,9 +462,18 @@ def train(cfg: Config, given: set[str]) -> int:
             f"step {step} | val loss {val:.4f} | val ppl {math.exp(val):.2f}",
         )
 
-    stop_signal = []  # SIGTERM/SIGINT (a scheduler's preemption notice): finish the step, save, exit
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
+    # Every signal the launcher passes on to its workers (a scheduler's preemption notice, Ctrl-C, a closed terminal or
+    # a dropped ssh): finish the step, save, exit. After a hangup the terminal is gone and writing to it fails, so the
+    # console goes on in a file in OUT.
+    stop_signal, console_is_tty = [], sys.stdout.isatty() or sys.stderr.isatty()
+
+    def on_stop_signal(signum, frame) -> None:
+        if signum == signal.SIGHUP and console_is_tty:
+            cli.console_to_file(out / f"console-after-hangup-rank{rank}.txt")
+        stop_signal.append(signum)
+
+    for sig in resilience.STOP_SIGNALS:
+        signal.signal(sig, on_stop_signal)
     step = run.resume.state["step"] if run.resume is not None else 0
     bar = cli.progress_bar(
         total=run.total_steps, initial=step, desc="train", dynamic_ncols=True, disable=not accelerator.is_main_process
@@ -534,8 +546,11 @@ def train(cfg: Config, given: set[str]) -> int:
         watchdog.beat(step)
         if stop_requested and step < run.total_steps:
             bar.close()
+            why = signal.Signals(stop_signal[0]).name if stop_signal else "a signal to another process"
+            if accelerator.is_main_process:  # the run's history says why it ended here
+                metrics.append(out / "metrics.jsonl", {"step": step, "event": "stop", "signal": why})
             accelerator.print(
-                f"stopped by signal after step {step}; the same command with --resume auto continues "
+                f"stopped by signal after step {step} ({why}); the same command with --resume auto continues "
                 f"from {ckpt_root / f'step_{step}'}"
             )
             watchdog.stop()

@@ -1,0 +1,111 @@
+"""Two runs, one directory; a closed terminal (issue #35): the second run is refused while the first trains, a dead
+run's lock is taken over, and a hangup saves and stops like SIGTERM.
+
+The lock cases run `python train.py` in one process (seconds per run); the hangup is a real 2-process
+`accelerate launch` on a pseudo-terminal that is closed under it.
+"""
+
+import os
+import pty
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import REPO, TINY, launch_cmd, metrics, run, train_records
+from test_run_dir import assert_refused
+
+RUN = [*TINY, "--micro_batch_size", "2", "--save_every", "2"]
+
+
+def start(*args, env=None, **kw) -> subprocess.Popen:
+    """train.py in one process, in the background."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    return subprocess.Popen([sys.executable, "train.py", *map(str, args)], cwd=REPO, env=full_env, text=True, **kw)
+
+
+def wait_for_step(out, step: int, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (out / "metrics.jsonl").is_file() and step in train_records(out):
+            return
+        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before step {step}"
+        time.sleep(0.2)
+    raise AssertionError(f"no step {step} in {out / 'metrics.jsonl'} after {timeout_s} s")
+
+
+def test_a_second_run_into_the_same_directory_is_refused(docs_data, tmp_path):
+    """While the first run trains (slowed to 4 s a step), `--resume auto` into its directory is refused in one line that
+    names it; the first run goes on undisturbed and logs each step once."""
+    out = tmp_path / "out"
+    args = [*RUN, "--max_steps", "6", "--data_dir", docs_data, "--output_dir", out]
+    first = start(*args, env={"TRAIN_TEST_FAULT": "slow_step:0:2-5"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_for_step(out, 2, first)
+        second = run([sys.executable, "train.py", *map(str, args), "--resume", "auto"], check=False)
+        assert_refused(second, 2, f"--output_dir {out} is in use by another train.py run (pid {first.pid} on ",
+                       f"kill -TERM {first.pid} on ")  # fmt: skip
+        output, _ = first.communicate(timeout=300)
+    finally:
+        first.kill()
+    assert first.returncode == 0, output[-3000:]
+    assert [r["step"] for r in metrics(out) if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_a_killed_runs_lock_is_taken_over(docs_data, tmp_path):
+    """kill -9 leaves OUT/.lock behind with the dead run's pid in it; the kernel released the flock, so --resume auto
+    goes on from the last checkpoint."""
+    out = tmp_path / "out"
+    args = [*RUN, "--max_steps", "4", "--data_dir", docs_data, "--output_dir", out]
+    first = start(*args, env={"TRAIN_TEST_FAULT": "slow_step:0:3-4"}, stdout=subprocess.DEVNULL)
+    try:
+        wait_for_step(out, 3, first)
+    finally:
+        first.kill()
+        first.wait()
+    assert f'"pid": {first.pid}' in (out / ".lock").read_text()
+    proc = run([sys.executable, "train.py", *map(str, args), "--resume", "auto"])
+    assert "resumed from" in proc.stdout and "step_2" in proc.stdout
+    assert f'"pid": {first.pid}' not in (out / ".lock").read_text()
+
+
+def test_a_closed_terminal_saves_and_stops_like_sigterm(docs_data, tmp_path):
+    """The launcher and its 2 workers write to a terminal; it is closed (its master side) and the launcher's process
+    group gets SIGHUP, as a shell sends its jobs when the terminal or the ssh connection goes. The workers save a
+    checkpoint and stop: metrics.jsonl records the stop and its signal, and the console, which can no longer be
+    written, goes on in OUT/console-after-hangup-rank0.txt."""
+    out = tmp_path / "out"
+    args = [*TINY, "--micro_batch_size", "2", "--max_steps", "30", "--data_dir", docs_data, "--output_dir", out]
+    master, terminal = pty.openpty()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TRAIN_TEST_FAULT": "slow_step:0:2-30"}
+    launcher = subprocess.Popen(launch_cmd(2, *args), cwd=REPO, env=env, stdin=terminal, stdout=terminal,
+                                stderr=terminal, start_new_session=True)  # fmt: skip
+    os.close(terminal)
+    seen, deadline = b"", time.monotonic() + 300
+    try:
+        while b"step 2/30 |" not in seen:
+            assert time.monotonic() < deadline and launcher.poll() is None, seen.decode(errors="replace")[-3000:]
+            if select.select([master], [], [], 1)[0]:
+                try:
+                    seen += os.read(master, 65536)
+                except OSError:  # EIO: every writer has gone
+                    break
+        os.close(master)  # the terminal goes away...
+        os.killpg(launcher.pid, signal.SIGHUP)  # ...and the shell hangs up its jobs
+        launcher.wait(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == 1  # torch's agent re-raises the signal it passed on (the README says so)
+    assert b"processes = 4 sequences" in seen, seen.decode(errors="replace")[-3000:]  # 2 processes trained
+    stops = [r for r in metrics(out) if r.get("event") == "stop"]
+    assert len(stops) == 1 and stops[0]["signal"] == "SIGHUP", metrics(out)
+    step = stops[0]["step"]
+    assert 2 <= step < 30
+    assert (out / "checkpoints" / f"step_{step}" / "trainer_state.json").is_file()
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{step}"
+    console = (out / "console-after-hangup-rank0.txt").read_text()
+    assert re.search(rf"stopped by signal after step {step} \(SIGHUP\); the same command with --resume auto", console)
