@@ -51,6 +51,10 @@ RESUME_CHANGEABLE = {
     "attn_implementation",
     "loss_chunk_tokens",
 }
+# What the run's own messages advise after a divergence or a hang: a resume may change them, and metrics.jsonl records
+# the change at that step. (Weight decay, betas and epsilon are not among them: the checkpoint's optimizer state
+# brings its own back.)
+RESUME_RETUNABLE = {"lr", "min_lr_ratio", "warmup_steps", "max_grad_norm", "step_timeout_s", "max_skipped_steps"}
 # The LR schedule's length; changing it on resume needs an explicit --lr_decay_steps (schedule_on_resume).
 SCHEDULE_LENGTH = {"max_steps", "num_epochs", "lr_decay_steps"}
 
@@ -184,8 +188,9 @@ def lock_run_dir(accelerator, out: Path) -> None:
 def config_for_resume(cfg, given: set[str], saved: dict):
     """The settings of a resumed run: the checkpoint's for every field the command does not give. A command that
     changes a training setting is refused; the schedule's length is checked by schedule_on_resume once known.
-    Returns (the run's Config, the settings taken from the checkpoint that differ from this command's)."""
-    taken = {}
+    Returns (the run's Config, the settings taken from the checkpoint that differ from this command's, the retunable
+    settings this command changes as {name: [the run's, this command's]})."""
+    taken, changed = {}, {}
     for f in dataclasses.fields(cfg):
         if f.name not in saved or f.name in ("output_dir", "resume", "plan"):
             continue
@@ -193,13 +198,22 @@ def config_for_resume(cfg, given: set[str], saved: dict):
         if f.name not in given:
             if saved[f.name] != ours:
                 taken[f.name] = saved[f.name]
+        elif ours != saved[f.name] and f.name in RESUME_RETUNABLE:
+            changed[f.name] = [saved[f.name], ours]
         elif ours != saved[f.name] and f.name not in RESUME_CHANGEABLE | SCHEDULE_LENGTH:
             raise UserError(
                 f"cannot resume: the run was trained with --{f.name} {saved[f.name]}, this command gives "
-                f"--{f.name} {ours}; drop --{f.name} to keep the run's setting, or start a new "
-                f"--output_dir with --init_from OUT/final (weights only, fresh optimizer and schedule)"
+                f"--{f.name} {ours}; drop --{f.name} to keep the run's setting, or {fresh_start(cfg.output_dir)}"
             )
-    return dataclasses.replace(cfg, **taken), taken
+    return dataclasses.replace(cfg, **taken), taken, changed
+
+
+def fresh_start(output_dir) -> str:
+    """The advice for a setting no resume can change: a new run, from OUT/final's weights where there are any."""
+    final = Path(output_dir) / "final"
+    if (final / "config.json").is_file():
+        return f"start a new --output_dir with --init_from {final} (its weights; a fresh optimizer and schedule)"
+    return "start a new --output_dir (this run has no final/ model to --init_from yet)"
 
 
 def config_hash(model_config) -> str:
@@ -228,8 +242,7 @@ def check_resume_compatible(state: dict, current: dict, ckpt: Path) -> None:
                      "zero_stage": " (the accelerate config's strategy)"}.get(key, "")  # fmt: skip
             raise UserError(
                 f"cannot resume {ckpt}: it was made with {key}={state[key]!r}, this run has "
-                f"{key}={value!r}{where}; relaunch with the original setting, or start a new --output_dir with "
-                f"--init_from OUT/final (weights only, fresh optimizer and schedule)"
+                f"{key}={value!r}{where}; relaunch with the original setting, or {fresh_start(ckpt.parent.parent)}"
             )
 
 
@@ -333,6 +346,7 @@ class Resume:
 
     path: Path
     state: dict
+    changed: dict = dataclasses.field(default_factory=dict)  # config_for_resume's: recorded in metrics.jsonl
 
 
 def find_resume_checkpoint(resume: str, ckpt_root: Path, accelerator) -> Path | None:
@@ -566,6 +580,8 @@ def start_outputs(run, accelerator, mem_before_model_gib: float) -> None:
             where = f"{run.resume.path.name} (step {step})" if run.resume is not None else "the start (no checkpoint)"
             print(f"{f'restart {restart} by the launcher: ' if restart else ''}resumed from {where}; {lost} step(s) "
                   f"logged after it were lost")  # fmt: skip
+        if run.resume is not None and run.resume.changed:
+            append(out / "metrics.jsonl", {"step": step, "event": "change", "changed": run.resume.changed})
         settings = {"written_by": "train.py", **dataclasses.asdict(cfg), "batch_plan": dataclasses.asdict(run.batch)}
         write_json_atomic(
             out / "config.json",

@@ -51,8 +51,9 @@ def backward(accelerator, loss: torch.Tensor, step: int) -> None:
         if "loss scale already at minimum" not in str(e):
             raise
         raise Diverged(
-            f"step {step}: the fp16 loss scale is at its minimum and gradients still overflow; train in bf16 "
-            f"(--mixed_precision bf16 at launch), lower --lr, or --resume auto from the last checkpoint"
+            f"step {step}: the fp16 loss scale is at its minimum and gradients still overflow; --resume auto from "
+            f"the last checkpoint with a lower --lr (a resume may change it), or train in bf16 (--mixed_precision "
+            f"bf16 at launch) in a new --output_dir (a checkpoint keeps its precision)"
         ) from None
 
 
@@ -93,7 +94,8 @@ class Skips:
             raise Diverged(
                 f"steps {step - self.in_a_row + 1}-{step}: {self.in_a_row} steps in a row had a non-finite loss or "
                 f"gradient norm (more than --max_skipped_steps {self.limit}); stopping without saving. The last "
-                f"checkpoint is intact: lower --lr, raise --warmup_steps or check the data, then --resume auto"
+                f"checkpoint is intact: --resume auto with a lower --lr or a higher --warmup_steps (a resume may "
+                f"change them), or check the data"
             )
         return True
 
@@ -118,18 +120,30 @@ class Watchdog:
     def __init__(self, out_dir: str, timeout_s: float):
         self.out = Path(out_dir)
         self.rank, self.world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-        self.limit = timeout_s if timeout_s > 0 else None  # None: auto, not measured yet
-        self.auto = timeout_s < 0
         self.warm: list[float] = []  # durations of the first steps after the start (auto)
-        self.beats, self.registered = 0, False
+        self.beats, self.registered, self.watching = 0, False, False
         self.phase, self.step, self.started, self.deadline = "startup", 0, time.monotonic(), None
         self.attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.set_timeout(timeout_s)
         if timeout_s != 0:
             self.beat(0, "startup")
+
+    def set_timeout(self, timeout_s: float) -> None:
+        """The limit (see the class); called again once a resumed run knows its own (the checkpoint's, or a changed
+        --step_timeout_s)."""
+        self.timeout_s = timeout_s
+        self.limit = timeout_s if timeout_s > 0 else None  # None: auto, not measured yet
+        self.auto = timeout_s < 0
+        if timeout_s == 0:
+            self.deadline = None
+        elif not self.watching:
+            self.watching = True
             threading.Thread(target=self._watch, name="watchdog", daemon=True).start()
 
     def beat(self, step: int, phase: str = "step") -> None:
         """`phase` starts now, after optimizer step `step`; the previous phase ended."""
+        if self.timeout_s == 0:
+            return
         now = time.monotonic()
         self.beats += 1
         if self.auto and phase == self.phase == "step" and len(self.warm) < self.WARM_STEPS and self.beats > 4:

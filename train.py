@@ -263,9 +263,13 @@ def check(cfg: Config, given: set[str], accelerator) -> Run:
     found = checkpoint.find_resume_checkpoint(cfg.resume, Path(cfg.output_dir) / "checkpoints", accelerator)
     resume = checkpoint.Resume(found, checkpoint.read_trainer_state(found)) if found else None
     if resume is not None:
-        cfg, taken = checkpoint.config_for_resume(cfg, given, resume.state.get("config", {}))
+        cfg, taken, changed = checkpoint.config_for_resume(cfg, given, resume.state.get("config", {}))
         if taken:
             accelerator.print(f"settings from {found.name}: " + " ".join(f"--{k} {v}" for k, v in taken.items()))
+        if changed:
+            accelerator.print(f"changed from {found.name}: " + ", ".join(f"--{k} {a} -> {b}" for k, (a, b) in
+                                                                         changed.items()))  # fmt: skip
+            resume = dataclasses.replace(resume, changed=changed)
         check_flags(cfg)
     data = token_data.training_data(cfg.data_dir, cfg.seq_len, cfg.eval_tokens)
     tokenizer = models.load_tokenizer(
@@ -305,19 +309,24 @@ def check_resume(run: Run, given: set[str]) -> str | None:
 
 
 def replan_schedule(schedule: Schedule, state: dict, given: set[str]) -> str | None:
-    """A resumed run keeps its schedule's length unless the command re-plans it with --lr_decay_steps (then the line
-    to print, with the LR at the resume step before and after); --max_steps or --num_epochs alone would stretch the
-    cosine under the run's feet, which is refused."""
-    old_steps = state.get("config", {}).get("lr_decay_steps") or state["total_steps"]
-    saved, new, old, step = (
-        dataclasses.replace(schedule, decay_steps=old_steps),
-        schedule.decay_steps,
+    """A resumed run keeps its schedule's length unless the command re-plans it with --lr_decay_steps; --max_steps or
+    --num_epochs alone would stretch the cosine under the run's feet, which is refused. A re-planned length or a
+    changed --lr, --warmup_steps or --min_lr_ratio returns the line to print, with the LR at the resume step before
+    and after."""
+    run_cfg = state.get("config", {})
+    old_steps = run_cfg.get("lr_decay_steps") or state["total_steps"]
+    saved = Schedule(
+        run_cfg.get("lr", schedule.peak_lr),
+        run_cfg.get("warmup_steps", schedule.warmup_steps),
         old_steps,
-        state["step"],
+        run_cfg.get("min_lr_ratio", schedule.min_lr_ratio),
     )
-    if new == old:
+    new, old, step = schedule.decay_steps, old_steps, state["step"]
+    if saved == schedule:
         return None
     change = f"the LR at step {step} goes from {saved.lr(step):.3g} to {schedule.lr(step):.3g}"
+    if new == old:
+        return f"changed LR schedule: {change}"
     if "lr_decay_steps" not in given:
         raise UserError(
             f"cannot resume: this command makes the LR schedule {new} steps long, the run's is {old} ({change}); "
@@ -389,6 +398,8 @@ def setup(cfg: Config, given: set[str]) -> tuple[Run, Parts]:
     watchdog = resilience.Watchdog(cfg.output_dir, cfg.step_timeout_s)  # a hang while starting ends the attempt too
     accelerator = plan.start_accelerator(cfg.log_with, cfg.output_dir)
     run = check(cfg, given, accelerator)
+    if run.cfg.step_timeout_s != cfg.step_timeout_s:  # a resumed run's own limit, or the one this resume changed
+        watchdog.set_timeout(run.cfg.step_timeout_s)
     replanned = check_resume(run, given) if run.resume is not None else None
     if replanned:
         accelerator.print(replanned)

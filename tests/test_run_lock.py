@@ -5,6 +5,7 @@ The lock cases run `python train.py` in one process (seconds per run); the hangu
 `accelerate launch` on a pseudo-terminal that is closed under it.
 """
 
+import json
 import os
 import pty
 import re
@@ -14,8 +15,11 @@ import subprocess
 import sys
 import time
 
+import pytest
 from conftest import REPO, TINY, launch_cmd, metrics, run, train_records
 from test_run_dir import assert_refused
+
+import train
 
 RUN = [*TINY, "--micro_batch_size", "2", "--save_every", "2"]
 
@@ -57,7 +61,8 @@ def test_a_second_run_into_the_same_directory_is_refused(docs_data, tmp_path):
 
 def test_a_killed_runs_lock_is_taken_over(docs_data, tmp_path):
     """kill -9 leaves OUT/.lock behind with the dead run's pid in it; the kernel released the flock, so --resume auto
-    goes on from the last checkpoint."""
+    goes on from the last checkpoint. That resume also takes the advice of a diverged or hung run's message: a lower
+    --lr and a longer --step_timeout_s are accepted, used and recorded in metrics.jsonl at the resume step."""
     out = tmp_path / "out"
     args = [*RUN, "--max_steps", "4", "--data_dir", docs_data, "--output_dir", out]
     first = start(*args, env={"TRAIN_TEST_FAULT": "slow_step:0:3-4"}, stdout=subprocess.DEVNULL)
@@ -67,9 +72,16 @@ def test_a_killed_runs_lock_is_taken_over(docs_data, tmp_path):
         first.kill()
         first.wait()
     assert f'"pid": {first.pid}' in (out / ".lock").read_text()
-    proc = run([sys.executable, "train.py", *map(str, args), "--resume", "auto"])
+    retuned = ["--lr", "1.5e-3", "--step_timeout_s", "600"]
+    proc = run([sys.executable, "train.py", *map(str, args), "--resume", "auto", *retuned])
     assert "resumed from" in proc.stdout and "step_2" in proc.stdout
     assert f'"pid": {first.pid}' not in (out / ".lock").read_text()
+    assert "changed from step_2: --lr 0.003 -> 0.0015, --step_timeout_s -1 -> 600.0" in proc.stdout
+    changes = [r for r in metrics(out) if r.get("event") == "change"]
+    assert changes == [{"step": 2, "event": "change", "changed": {"lr": [3e-3, 1.5e-3], "step_timeout_s": [-1, 600]}}]
+    assert train_records(out)[3]["lr"] == pytest.approx(train.Schedule(1.5e-3, 2, 4, 0.1).lr(2), rel=1e-12)
+    saved = json.loads((out / "checkpoints" / "step_4" / "trainer_state.json").read_text())["config"]
+    assert (saved["lr"], saved["step_timeout_s"]) == (1.5e-3, 600)  # the next --resume auto keeps them
 
 
 def test_a_closed_terminal_saves_and_stops_like_sigterm(docs_data, tmp_path):

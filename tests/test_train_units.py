@@ -152,31 +152,37 @@ SAVED = {
 
 def test_resume_takes_what_the_command_does_not_give():
     cfg = train.Config(output_dir="runs/q", max_steps=600, lr_decay_steps=600, resume="auto")
-    merged, taken = checkpoint.config_for_resume(cfg, {"output_dir", "max_steps", "lr_decay_steps", "resume"}, SAVED)
+    merged, taken, _ = checkpoint.config_for_resume(cfg, {"output_dir", "max_steps", "lr_decay_steps", "resume"}, SAVED)
     assert (merged.seq_len, merged.lr, merged.model_config, merged.data_dir) == (128, 2e-3, "mini", "/data/docs")
     assert (merged.max_steps, merged.lr_decay_steps, merged.output_dir) == (600, 600, "runs/q")
     assert taken == {"data_dir": "/data/docs", "model_config": "mini", "seq_len": 128, "lr": 2e-3}
 
 
-@pytest.mark.parametrize(
-    "flag,value",
-    [
-        ("lr", 1e-3),
-        ("seq_len", 256),
-        ("warmup_steps", 5),
-        ("weight_decay", 0.0),
-        ("max_grad_norm", 0.5),
-        ("min_lr_ratio", 0.0),
-        ("seed", 1),
-    ],
-)
-def test_resume_refuses_a_changed_training_setting(flag, value):
-    cfg = train.Config(**{flag: value})
-    with pytest.raises(UserError, match=f"--{flag}"):
+@pytest.mark.parametrize("flag,value", [("seq_len", 256), ("weight_decay", 0.0), ("seed", 1), ("adam_beta2", 0.99)])
+def test_resume_refuses_a_changed_training_setting(flag, value, tmp_path):
+    cfg = train.Config(**{flag: value}, output_dir=str(tmp_path))
+    with pytest.raises(UserError, match=f"--{flag}.*start a new --output_dir \\(this run has no final/ model"):
+        checkpoint.config_for_resume(cfg, {flag}, SAVED)
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / "config.json").write_text("{}")
+    with pytest.raises(UserError, match=f"--init_from {tmp_path / 'final'} "):  # only where it exists
         checkpoint.config_for_resume(cfg, {flag}, SAVED)
     checkpoint.config_for_resume(
         train.Config(eval_every=7, log_every=3), {"eval_every", "log_every"}, SAVED
     )  # runtime: allowed
+
+
+def test_resume_may_change_what_the_messages_advise():
+    """A diverged or hung run's advice (a lower LR, a longer warmup, a longer watchdog limit) is a resume that works;
+    the changes are returned for metrics.jsonl, and the LR at the resume step is said."""
+    given = {"lr": 1e-3, "warmup_steps": 60, "max_grad_norm": 0.5, "step_timeout_s": 900.0, "max_skipped_steps": 5}
+    merged, _, changed = checkpoint.config_for_resume(train.Config(**given), set(given), SAVED)
+    assert changed == {k: [SAVED[k], v] for k, v in given.items()}
+    assert (merged.lr, merged.step_timeout_s, merged.seq_len) == (1e-3, 900.0, 128)
+    state = {"step": 100, "total_steps": 300, "config": SAVED}
+    line = train.replan_schedule(train.schedule_for(merged, 300), state, set(given))
+    before, after = train.Schedule(2e-3, 30, 300, 0.1).lr(100), train.Schedule(1e-3, 60, 300, 0.1).lr(100)
+    assert line == f"changed LR schedule: the LR at step 100 goes from {before:.3g} to {after:.3g}"
 
 
 def test_resume_keeps_the_schedule_unless_replanned():
