@@ -406,6 +406,34 @@ def without_prepared_outputs(files: list[Path], exclude: Iterable[Path] = ()) ->
     return kept, skipped
 
 
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
+
+
+def offline_variable() -> str | None:
+    """The variable that puts Hugging Face's libraries in offline mode (local cache only), if one does."""
+    return next((v for v in OFFLINE_VARIABLES if os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")), None)
+
+
+def from_hub(what: str, load, fix: str):
+    """load(): something the Hub serves (a dataset, a model, a tokenizer). Out of the Hub's reach, or in offline mode
+    with a local cache that does not hold it, one UserError saying `what`, why and `fix` instead of the library's
+    traceback (datasets' ConnectionError, transformers' OSError, huggingface_hub's OfflineModeIsEnabled)."""
+    reason = hub_unreachable_reason()
+    if reason is not None and offline_variable() is None:
+        raise UserError(f"{what}: {reason}; {fix}")
+    try:
+        return load()
+    except Exception as e:  # noqa: BLE001 - only in offline mode, where every library says "not cached" its own way
+        variable = offline_variable()
+        if variable is None:
+            raise
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        raise UserError(
+            f"{what}: {variable}={os.environ[variable]} (offline mode) and the local Hugging Face cache does not hold "
+            f"it ({type(e).__name__}: {first}); {fix}, or run once without {variable} where the Hub is reachable"
+        ) from None
+
+
 def hub_unreachable_reason() -> str | None:
     """None when the Hugging Face Hub answers (or offline mode, HF_HUB_OFFLINE=1, asks for the local cache), else why
     not. Asked through huggingface_hub's own HTTP client, so that HF_ENDPOINT and HTTPS_PROXY / HTTP_PROXY / NO_PROXY

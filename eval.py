@@ -33,6 +33,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import os
 import re
 import tempfile
 import time
@@ -140,15 +141,14 @@ def harness_detokenizer():
 
 def hub_wikitext_pages(cfg: Config) -> list[str]:
     """The pages of the harness's own WikiText dataset, for --dataset wikitext-2 / wikitext-103."""
-    offline = corpora.hub_unreachable_reason()
-    if offline:
-        raise UserError(
-            f"--dataset {cfg.dataset}: {offline}; pass a local copy instead (a directory with wiki.test.raw, "
-            f"or the file itself): its pages are split exactly as the Hub's"
-        )
     from datasets import load_dataset
 
-    dsd = load_dataset(HARNESS_WIKITEXT, corpora.HUB_PRESETS[cfg.dataset].config)
+    dsd = corpora.from_hub(
+        f"--dataset {cfg.dataset}",
+        lambda: load_dataset(HARNESS_WIKITEXT, corpora.HUB_PRESETS[cfg.dataset].config),
+        "pass a local copy instead (a directory with wiki.test.raw, or the file itself): its pages are split exactly "
+        "as the Hub's",
+    )
     if cfg.split not in dsd:
         raise UserError(
             f"--dataset {cfg.dataset} has no '{cfg.split}' split (it has {sorted(dsd)}); pick one with --split"
@@ -225,7 +225,22 @@ def check_model_files(flag: str, name: str) -> None:
     transformers reads it. A Hub id (no such directory) passes, when the Hub can be reached."""
     path = Path(name).expanduser()
     if not path.exists():
-        offline = corpora.hub_unreachable_reason()
+        from huggingface_hub import try_to_load_from_cache
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(name)
+        except HFValidationError:
+            raise UserError(f"{flag} {name}: no such directory, and not a Hub id (org/name) either") from None
+        variable = corpora.offline_variable()
+        wanted = "config.json" if flag == "--model" else "tokenizer_config.json"
+        if variable and not isinstance(try_to_load_from_cache(name, wanted), str):
+            raise UserError(
+                f"{flag} {name} is not a local directory, and {variable}={os.environ[variable]} (offline mode) with "
+                f"no copy of it in the local Hugging Face cache; pass a local directory, or run once without "
+                f"{variable} where the Hub is reachable"
+            )
+        offline = corpora.hub_unreachable_reason() if not variable else None
         if offline:
             raise UserError(f"{flag} {name} is not a local directory and {offline}")
         return

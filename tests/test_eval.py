@@ -187,6 +187,31 @@ def test_bad_inputs(small_model, tmp_path):
         assert not out.exists()
 
 
+@pytest.mark.parametrize("variable", ["HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"])
+def test_offline_mode_refuses_every_hub_choice_in_one_line(variable, small_model, tmp_path):
+    """Offline mode is a normal state: with each offline variable and an empty Hugging Face cache, every Hub-backed
+    choice (the default WikiText, wikitext-103, a Hub model, a Hub tokenizer) is one `error:` line naming the variable
+    and what to pass instead, not datasets' ConnectionError."""
+    (tmp_path / "ok.txt").write_text("Some text.\n\nMore text.\n")
+    env = {variable: "1", "HF_HOME": str(tmp_path / "hf")}
+    cases = [
+        (["--model", small_model], f"--dataset wikitext-2: {variable}=1 (offline mode)"),
+        (["--model", small_model, "--dataset", "wikitext-103"], f"--dataset wikitext-103: {variable}=1 (offline mode)"),
+        (["--model", small_model, "--dataset", "wikitext-2", "--tasks", "hellaswag"], f"{variable}=1 (offline mode)"),
+        (
+            ["--model", "gpt2", "--dataset", tmp_path / "ok.txt"],
+            f"--model gpt2 is not a local directory, and {variable}",
+        ),
+        (["--model", small_model, "--tokenizer", "gpt2", "--dataset", tmp_path / "ok.txt"], "--tokenizer gpt2 "),
+    ]
+    for args, message in cases if variable == "HF_HUB_OFFLINE" else cases[0:4:3]:  # how each library reads its variable
+        proc = run(EVAL + list(map(str, args)), check=False, env=env)
+        assert proc.returncode == 2, (args, proc.stderr[-3000:])
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and message in errors[0], (args, proc.stderr[-3000:])
+        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
 @needs_wikitext
 def test_wikitext_test_split_end_to_end(trained, tmp_path):
     out = tmp_path / "wt2.json"
