@@ -295,8 +295,7 @@ def load_tokenizer(cfg: Config, ckpt: run_model.RunCheckpoint | None):
     """--tokenizer, else the model directory's, else (a checkpoint) the tokenizer of the run's data."""
     from transformers import AutoTokenizer
 
-    if cfg.tokenizer:
-        check_model_files("--tokenizer", cfg.tokenizer)
+    if cfg.tokenizer:  # its files were checked by evaluate
         flag, name = "--tokenizer", cfg.tokenizer
     elif ckpt is not None:
         flag, name = f"--model {cfg.model}: the run's tokenizer", str(ckpt.tokenizer_dir)
@@ -312,13 +311,12 @@ def load_tokenizer(cfg: Config, ckpt: run_model.RunCheckpoint | None):
 
 
 def load_model(cfg: Config, device: torch.device, ckpt: run_model.RunCheckpoint | None):
-    """The model, its tokenizer and the token the first scored token is conditioned on. A checkpoint's model is built
-    from its ZeRO-3 shards in memory (run_model); any other --model is loaded by from_pretrained."""
+    """The model, its tokenizer and the token the first scored token is conditioned on (their files checked by
+    evaluate). A checkpoint's model is built from its ZeRO-3 shards in memory (run_model); any other --model is loaded
+    by from_pretrained."""
     from transformers import AutoModelForCausalLM
 
     dtype = model_dtype(cfg, device)
-    if ckpt is None:
-        check_model_files("--model", cfg.model)
     tokenizer = load_tokenizer(cfg, ckpt)
     # Missing, unexpected and mismatched tensors are refused below in one line, so transformers' table of them (its
     # "LOAD REPORT" warning) is noise before it, and a mismatch is not raised as its traceback.
@@ -420,11 +418,15 @@ def evaluate(cfg: Config) -> dict:
     # On CPUs the process group must be asked for (cpu=True): without it torchrun's processes each score everything.
     state = PartialState(cpu=cfg.device == "cpu" or not torch.cuda.is_available())
     device = torch.device(cfg.device) if cfg.device else state.device
-    if cfg.batch_size < 1:
-        raise UserError(f"--batch_size {cfg.batch_size} must be at least 1")
+    check_flags(cfg)
+    model_dtype(cfg, device)
     settings = task_settings(cfg, state.num_processes)
     cfg = dataclasses.replace(cfg, dataset=cfg.dataset or ("" if settings else "wikitext-2"))
     ckpt = run_model.find_checkpoint(cfg.model, cfg.tokenizer)
+    if ckpt is None:  # the model and tokenizer files, before the documents are read (they can take minutes)
+        check_model_files("--model", cfg.model)
+    if cfg.tokenizer:
+        check_model_files("--tokenizer", cfg.tokenizer)
     docs = load_documents(cfg) if cfg.dataset else None
     tasks = harness_tasks.load_tasks(settings) if settings else None
     model, tokenizer, prefix = load_model(cfg, device, ckpt)
@@ -438,6 +440,17 @@ def evaluate(cfg: Config) -> dict:
         report.update(harness_tasks.task_report(results, settings))
     report.update(dtype=str(model.dtype).replace("torch.", ""), processes=state.num_processes)
     return report
+
+
+def check_flags(cfg: Config) -> None:
+    """The numeric flags, each on its own terms, before anything is loaded (the model's context is checked later)."""
+    if cfg.batch_size < 1:
+        raise UserError(f"--batch_size {cfg.batch_size} must be at least 1")
+    for name in ("max_length", "stride", "max_documents"):
+        if getattr(cfg, name) < 0:
+            raise UserError(f"--{name} {getattr(cfg, name)} must be 0 (the default) or positive")
+    if cfg.max_length and cfg.stride > cfg.max_length:
+        raise UserError(f"--stride {cfg.stride} must be between 1 and --max_length {cfg.max_length}")
 
 
 def check_output_path(name: str) -> None:

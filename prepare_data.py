@@ -192,7 +192,14 @@ def validate(cfg: Config) -> None:
         raise UserError(f"--checkpoint_mb {cfg.checkpoint_mb} must be at least 1")
     if not cfg.doc_separator:
         raise UserError("--doc_separator is empty; use file, blank_line or a literal string such as '<|endoftext|>'")
-    parse_bpe_spec(cfg.tokenizer)
+    existing_output(Path(cfg.output_dir).expanduser().resolve())
+    if parse_bpe_spec(cfg.tokenizer) is None and not Path(cfg.tokenizer).expanduser().is_dir():
+        reason = corpora.hub_unreachable_reason()  # offline mode: the cache is asked when the tokenizer loads
+        if reason:
+            raise UserError(
+                f"--tokenizer {cfg.tokenizer}: not a local directory and {reason}; pass a downloaded tokenizer "
+                "directory or bpe:VOCAB"
+            )
     for spec in cfg.dataset:
         if spec not in corpora.HUB_PRESETS and spec not in corpora.BUILTIN_SOURCES:
             corpora.resolve_local_files(spec, own_dirs(Path(cfg.output_dir).expanduser().resolve()))
@@ -203,16 +210,17 @@ def own_dirs(out_dir: Path) -> tuple[Path, Path]:
     return out_dir, out_dir.parent / f".{out_dir.name}.partial"
 
 
-def check_output_dir(out_dir: Path, fp: str, overwrite: bool) -> bool:
-    """True when out_dir is already this exact preparation, intact. Refuses to replace anything prepare_data.py did not
-    write: --overwrite deletes only a directory with its own meta.json and nothing but its own files."""
+def existing_output(out_dir: Path) -> dict | None:
+    """The meta.json of an output directory prepare_data.py wrote (None: there is none, or it is empty). Refuses to
+    replace anything prepare_data.py did not write: --overwrite deletes only a directory with its own meta.json and
+    nothing but its own files. Checked before any input is read."""
     if not out_dir.exists():
-        return False
+        return None
     if not out_dir.is_dir():
         raise UserError(f"--output_dir {out_dir} is a file; choose a directory path")
     entries = sorted(p.name for p in out_dir.iterdir())
     if not entries:
-        return False
+        return None
     foreign = [name for name in entries if name not in OWN_FILES]
     meta, why = None, "no meta.json of prepare_data.py"
     try:
@@ -232,6 +240,15 @@ def check_output_dir(out_dir: Path, fp: str, overwrite: bool) -> bool:
             f"--output_dir {out_dir} exists and is not a directory prepare_data.py wrote ({held}); nothing was "
             f"deleted, even with --overwrite: choose a new or empty --output_dir"
         )
+    return meta
+
+
+def check_output_dir(out_dir: Path, fp: str, overwrite: bool) -> bool:
+    """True when out_dir is already this exact preparation, intact; refuses to replace another one without
+    --overwrite (existing_output has refused what is not prepare_data.py's)."""
+    meta = existing_output(out_dir)
+    if meta is None:
+        return False
     try:
         token_data.read_meta(out_dir)
         for split in meta["splits"]:
@@ -253,14 +270,7 @@ def load_tokenizer(spec: str, train_texts: Iterator[str]):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     vocab = parse_bpe_spec(spec)
-    if vocab is None:
-        if not Path(spec).expanduser().is_dir():
-            reason = corpora.hub_unreachable_reason()
-            if reason:
-                raise UserError(
-                    f"--tokenizer {spec}: not a local directory and {reason}; pass a downloaded tokenizer directory or "
-                    "bpe:VOCAB"
-                )
+    if vocab is None:  # validate has asked whether the Hub answers for a tokenizer that is no local directory
         try:
             tok = AutoTokenizer.from_pretrained(spec)
         except (OSError, ValueError) as e:
@@ -392,6 +402,7 @@ def prepare(cfg: Config, argv: list[str]) -> Path:
     sources = [
         corpora.open_source(spec, cfg.text_field, cfg.doc_separator, exclude=own_dirs(out_dir)) for spec in cfg.dataset
     ]
+    token_writer.check_small_sources(sources, cfg.validation_fraction)
     left_out = list(dict.fromkeys(str(d) for s in sources for d in s.skipped))
     if left_out:
         print(f"note: --dataset: left out {', '.join(left_out)} (prepare_data.py's own output or work directories)")

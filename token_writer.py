@@ -177,6 +177,20 @@ def make_tasks(
         yield Task("", None, {"source": si + 1, "documents": 0})
 
 
+PRECHECK_BYTES = 64 << 20  # sources this small are read once before anything is tokenized (a fraction of a second)
+
+
+def check_small_sources(sources: list[corpora.Source], fraction: float) -> None:
+    """check_counts for every source small enough to read in a moment, before the first is tokenized: found at that
+    source's end, an empty source or one without held-out documents would be refused after every source before it
+    was tokenized. (A larger source is checked at its end; one with no held-out document among 64 MB is unheard of.)"""
+    for source in sources:
+        if source.total_bytes is not None and source.total_bytes <= PRECHECK_BYTES:
+            counts = collections.Counter(target for _, target in corpora.routed_documents(source, fraction))
+            source.stats.reset()  # the tokenizing pass counts what the readers tolerate
+            check_counts(source, counts, fraction)
+
+
 def check_counts(source: corpora.Source, counts: collections.Counter, fraction: float) -> None:
     """A source read to its end has training documents, and held-out ones when it has no validation split."""
     if not counts["train"]:

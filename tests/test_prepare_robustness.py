@@ -465,3 +465,33 @@ def test_damaged_input_is_refused_in_one_line_or_worked_around(tiny, tmp_path, c
         assert status == 0, err
         for name in ("train.bin", "validation.bin", "validation.jsonl", "tokenizer/tokenizer.json"):
             assert (tmp_path / "out" / name).read_bytes() == (tiny / "ref" / name).read_bytes(), name
+
+
+# --- issue #35: what can be decided before tokenizing is -------------------------------------------------------------
+
+
+def test_a_small_source_that_would_be_refused_is_refused_before_anything_is_tokenized(tmp_path, capsys):
+    """A 20-document source of which none falls in the validation split (two times in three at the default fraction),
+    or one holding only blank lines, listed after a larger one: refused in one line before the larger one is
+    tokenized (it used to be refused at its own end, and the partial output deleted); the tokenizer is not trained,
+    no checkpoint is written, nothing is left behind."""
+    big = tmp_path / "big.txt"
+    big.write_text("\n\n".join(synthetic_web_documents(1_500_000, seed=1)))
+    for seed in range(100):  # the first 20-document text none of whose documents is held out
+        twenty = tmp_path / "twenty.txt"
+        twenty.write_text("\n\n".join(list(synthetic_web_documents(20_000, seed=seed))[:20]))
+        source = corpora.open_source(str(twenty), separator="blank_line")
+        if not any(split == "validation" for _, split in corpora.routed_documents(source, 0.02)):
+            break
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n  \n")
+    for second, message in ((twenty, "documents fell in the validation split at"), (empty, "is empty")):
+        out = tmp_path / "out"
+        status, stdout, stderr = prepare(
+            ["--dataset", big, "--dataset", second, "--doc_separator", "blank_line", "--tokenizer", "bpe:300",
+             "--checkpoint_mb", "1", "--num_proc", "1", "--output_dir", out], capsys
+        )  # fmt: skip
+        errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+        assert status == 2 and len(errors) == 1 and str(second) in errors[0] and message in errors[0], stderr
+        assert "checkpoint:" not in stdout + stderr and "tokens written" not in stdout + stderr, stdout
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["big.txt", "empty.txt", "twenty.txt"]
