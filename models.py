@@ -208,6 +208,12 @@ def check_init_from(model_dir: str, ours, data_eos_id: int) -> None:
     """--init_from must be a model directory with whole weight files, trained on the ids the data holds: the same
     vocabulary (token -> id), the same encoding of a probe text and the same EOS id. A vocabulary size alone says
     nothing (two 512-token BPEs agree)."""
+    if (Path(model_dir) / "train_run.json").is_file():  # checkpoint.MARKER: a run directory, not its model
+        raise UserError(
+            f"--init_from {model_dir} is a train.py run directory; pass the model it exported, --init_from "
+            f"{Path(model_dir) / 'final'}"
+            + ("" if (Path(model_dir) / "final").is_dir() else " (once the run finishes)")
+        )
     if not (Path(model_dir) / "config.json").is_file():
         raise UserError(f"--init_from {model_dir} is not a Hugging Face model directory (no config.json)")
     check_weight_files(Path(model_dir), f"--init_from {model_dir}")

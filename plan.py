@@ -164,6 +164,21 @@ def join_restarted_process_group() -> None:
     )
 
 
+def check_trackers(log_with: str) -> None:
+    """--log_with names trackers Accelerate knows (comma-separated) whose packages are installed: refused before the
+    run starts, not Accelerate's ValueError, or a warning and a run with no tracker at all."""
+    from accelerate.utils import LoggerType
+    from accelerate.utils import imports
+
+    for name in filter(None, (n.strip() for n in log_with.split(","))):
+        if name not in LoggerType.list() or name == "all":
+            known = ", ".join(n for n in LoggerType.list() if n != "all")
+            raise UserError(f"--log_with {name!r}: name one or more of {known} (comma-separated)")
+        if not getattr(imports, f"is_{name}_available")():
+            package = {"comet_ml": "comet-ml"}.get(name, name)
+            raise UserError(f"--log_with {name}: the {name} package is not installed; pip install {package}")
+
+
 def start_accelerator(log_with: str, project_dir: str):
     """The Accelerator of this process, refusing a launch whose processes would not synchronise."""
     from accelerate import Accelerator
@@ -175,7 +190,8 @@ def start_accelerator(log_with: str, project_dir: str):
     kwargs = [InitProcessGroupKwargs(backend="gloo")] if launched and not torch.cuda.is_available() else []
     join_restarted_process_group()
     with cli.without_noise():
-        accelerator = Accelerator(log_with=log_with or None, project_dir=project_dir, kwargs_handlers=kwargs)
+        trackers = [name.strip() for name in log_with.split(",") if name.strip()] or None  # check_trackers: known ones
+        accelerator = Accelerator(log_with=trackers, project_dir=project_dir, kwargs_handlers=kwargs)
     if accelerator.mixed_precision == "fp16" and accelerator.state.deepspeed_plugin is None and not accelerator.scaler:
         raise UserError(
             f"fp16 without DeepSpeed needs a GPU: on {accelerator.device.type} Accelerate would run it as fp32 with "

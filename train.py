@@ -396,6 +396,7 @@ def build_model(run: Run, accelerator):
 def setup(cfg: Config, given: set[str]) -> tuple[Run, Parts]:
     """Check, resume, build: nothing is written to OUT before the first two phases have passed on every process."""
     watchdog = resilience.Watchdog(cfg.output_dir, cfg.step_timeout_s)  # a hang while starting ends the attempt too
+    plan.check_trackers(cfg.log_with)
     accelerator = plan.start_accelerator(cfg.log_with, cfg.output_dir)
     run = check(cfg, given, accelerator)
     if run.cfg.step_timeout_s != cfg.step_timeout_s:  # a resumed run's own limit, or the one this resume changed

@@ -252,3 +252,24 @@ def test_an_unknown_flag_under_the_launcher_is_said_once(tmp_path, flag, value, 
 def test_help_under_the_launcher_is_printed_once():
     proc = run(launch_cmd(2, "--help"))
     assert proc.stdout.count("usage: train.py") == 1, proc.stdout[-3000:]
+
+
+def test_trackers_are_checked_before_the_run_starts():
+    """--log_with: an unknown name and a tracker whose package is missing are refused in one line, not Accelerate's
+    ValueError or a warning and a run without the tracker."""
+    import importlib.util
+
+    with pytest.raises(UserError, match="--log_with 'bogus': name one or more of .*tensorboard"):
+        plan.check_trackers("tensorboard,bogus")
+    plan.check_trackers("tensorboard")  # in requirements.txt
+    missing = next((n for n in ("wandb", "mlflow", "aim", "swanlab") if importlib.util.find_spec(n) is None), None)
+    if missing is not None:
+        with pytest.raises(UserError, match=f"the {missing} package is not installed; pip install {missing}"):
+            plan.check_trackers(f"tensorboard, {missing}")
+
+
+def test_init_from_a_run_directory_names_its_final_model(tmp_path):
+    (tmp_path / "train_run.json").write_text('{"written_by": "train.py"}')
+    (tmp_path / "config.json").write_text('{"written_by": "train.py"}')  # train.py's settings, not a model's
+    with pytest.raises(UserError, match=f"is a train.py run directory; pass .* --init_from {tmp_path / 'final'} "):
+        models.check_init_from(str(tmp_path), None, 0)
