@@ -11,6 +11,7 @@ A kill at any moment leaves the last complete checkpoint as it was.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import hashlib
 import json
@@ -468,15 +469,27 @@ class CheckpointWriteError(Exception):
     """A checkpoint could not be written (exit 3): the message names the directory, the likely cause and the fix."""
 
 
+# How a collective says that another process died (gloo, NCCL): that process prints why; this one only follows it.
+PEER_FAILED = ("closed by peer", "reset by peer", "remote process exited")
+
+
 def write_failure(tmp: Path, error: BaseException, last_good: Path | None) -> CheckpointWriteError:
     import resource
+
+    keep = f"the last complete checkpoint, {last_good}, is intact" if last_good else "no earlier checkpoint exists"
+    if any(words in str(error) for words in PEER_FAILED):
+        failure = CheckpointWriteError(
+            f"another process failed while checkpoint {tmp} was written (its error line says why); {keep}: fix "
+            f"what it names, then rerun with --resume auto"
+        )
+        failure.follows_another = True  # said after a pause, so that the failed process's own line comes alone
+        return failure
 
     free_gib = shutil.disk_usage(tmp if tmp.exists() else tmp.parent).free / 2**30
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     why = f"{free_gib:.1f} GiB free on that disk" + (
         f", file size limit (ulimit -f) {limit} bytes" if limit != resource.RLIM_INFINITY else ""
     )
-    keep = f"the last complete checkpoint, {last_good}, is intact" if last_good else "no earlier checkpoint exists"
     return CheckpointWriteError(
         f"writing checkpoint {tmp} failed: {type(error).__name__}: {error} ({why}); {keep}: free space or raise "
         f"the limit, then rerun with --resume auto"
@@ -502,7 +515,7 @@ def save_checkpoint(accelerator, save: Save, resumed_from: Path | None, finalise
     ckpt_root, step = save.ckpt_root, save.step
     final = ckpt_root / f"step_{step}"
     tmp = ckpt_root / f".tmp-step_{step}"
-    last_good = newest_intact_checkpoint(ckpt_root, lambda _: None) if finaliser else None
+    last_good = newest_intact_checkpoint(ckpt_root, lambda _: None)  # on every rank: each says the same if it fails
     try:
         if finaliser:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a run that died while writing this step
@@ -514,6 +527,8 @@ def save_checkpoint(accelerator, save: Save, resumed_from: Path | None, finalise
                 torch.save(obj.state_dict(), tmp / f"custom_checkpoint_{i}.pkl")
         fault("sigkill_in_save", accelerator.process_index, step)
         fault("sigterm_in_save", accelerator.process_index, step)
+        if fault("enospc_in_save", accelerator.process_index, step):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
         accelerator.wait_for_everyone()
         if finaliser:
             write_json_atomic(tmp / "trainer_state.json", save.state)

@@ -53,9 +53,23 @@ def given_fields(config_class, argv: list[str]) -> set[str]:
 
 
 # accelerate launch's own flags (spelled with _ here; it takes - too), often put after the script by mistake
-LAUNCHER_FLAGS = ("--config_file", "--num_processes", "--num_machines", "--machine_rank", "--main_process_ip",
-                  "--main_process_port", "--mixed_precision", "--use_deepspeed", "--zero_stage", "--gpu_ids", "--cpu",
-                  "--multi_gpu", "--deepspeed_config_file", "--num_cpu_threads_per_process", "--max_restarts")
+LAUNCHER_FLAGS = (
+    "--config_file",
+    "--num_processes",
+    "--num_machines",
+    "--machine_rank",
+    "--main_process_ip",
+    "--main_process_port",
+    "--mixed_precision",
+    "--use_deepspeed",
+    "--zero_stage",
+    "--gpu_ids",
+    "--cpu",
+    "--multi_gpu",
+    "--deepspeed_config_file",
+    "--num_cpu_threads_per_process",
+    "--max_restarts",
+)
 
 
 class _BadCommandLine(Exception):
@@ -113,6 +127,7 @@ FAULTS = {
     "slow_step": "train.py: after step `step`, rank `rank` sleeps 4 s (a slow step, not a hung one)",
     "sigkill_in_save": "checkpoint.py: rank `rank` is killed after writing its shards of checkpoint `step`",
     "sigterm_in_save": "checkpoint.py: rank `rank` gets SIGTERM while checkpoint `step` is written",
+    "enospc_in_save": "checkpoint.py: rank `rank` finds its disk full (ENOSPC) writing checkpoint `step`",
     "corrupt_link": "plan.py: rank `rank` sees one changed integer in the link check at start (`step` 0)",
 }
 SIGNALS = {"sigkill_rank": signal.SIGKILL, "sigstop_rank": signal.SIGSTOP, "sigkill_in_save": signal.SIGKILL}
@@ -247,16 +262,17 @@ def progress_bar(**kwargs):
     return tqdm(**kwargs, disable=disable)
 
 
-def print_error(message: str, rank: int | None = None) -> None:
+def print_error(message: str, rank: int | None = None, wait: bool = False) -> None:
     """The one `error:` line on stderr. When one process fails, the launcher kills the others at once; so that the
     line is printed exactly once and always, rank 0 prints at once and any other rank only if it is still alive a few
     seconds later (rank 0 did not fail the same way, or is slower to). rank: the process group's when it is up, else
-    this one (a launched process before its process group starts: the launcher's RANK), else none: print at once."""
+    this one (a launched process before its process group starts: the launcher's RANK), else none: print at once.
+    wait: this error follows another process's (rank 0 too waits, and is usually stopped by the launcher first)."""
     import torch.distributed as dist
 
     if rank is None and dist.is_available() and dist.is_initialized():
         rank = dist.get_rank()
-    if rank:
+    if rank or wait:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # train.py's stop handler must not outlive the launcher's kill
         time.sleep(5)
         message = f"(rank {rank}) {message}"

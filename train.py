@@ -616,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
         cli.print_error(str(e))
         return 2
     except (resilience.Diverged, checkpoint.CheckpointWriteError) as e:  # the last complete checkpoint is intact
-        cli.print_error(str(e))
+        cli.print_error(str(e), wait=getattr(e, "follows_another", False))
         return 3
     except OSError as e:  # a full disk, a file size limit, a vanished mount while writing metrics or final/
         cli.print_error(f"{e.filename}: {e.strerror or e}; complete checkpoints are intact: fix it, then --resume auto")

@@ -191,6 +191,19 @@ def test_a_failed_checkpoint_write_names_the_path_and_keeps_the_last_checkpoint(
     assert not (out / "checkpoints" / "step_2").exists() and not (out / "final").exists()
 
 
+def test_a_full_disk_on_one_rank_is_told_as_the_others_would(docs_data, tmp_path):
+    """Issue #35: rank 1 alone finds its disk full while checkpoint 4 is written (rank 0 then waits for it and is
+    killed by the launcher): its line names step_2 as the last complete checkpoint, as rank 0's would, not "no
+    earlier checkpoint exists" (only the finalising rank used to look)."""
+    out = tmp_path / "out"
+    args = [*RUN, "--data_dir", docs_data, "--output_dir", out]
+    proc = launch(2, *args, check=False, env={"TRAIN_TEST_FAULT": "enospc_in_save:1:4"})
+    assert_refused(
+        proc, None, "(rank 1) writing checkpoint", ".tmp-step_4 failed: OSError", f"{out}/checkpoints/step_2, is intact"
+    )
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_2"
+
+
 def test_sigterm_while_saving_stops_after_that_checkpoint(docs_data, tmp_path):
     """Case 16: a stop signal that arrives while a checkpoint is written ends the run after it, not after one more step
     and a second checkpoint."""
