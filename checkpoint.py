@@ -473,13 +473,15 @@ class CheckpointWriteError(Exception):
 PEER_FAILED = ("closed by peer", "reset by peer", "remote process exited")
 
 
-def write_failure(tmp: Path, error: BaseException, last_good: Path | None) -> CheckpointWriteError:
+def write_failure(
+    tmp: Path, error: BaseException, last_good: Path | None, what: str = "checkpoint"
+) -> CheckpointWriteError:
     import resource
 
     keep = f"the last complete checkpoint, {last_good}, is intact" if last_good else "no earlier checkpoint exists"
     if any(words in str(error) for words in PEER_FAILED):
         failure = CheckpointWriteError(
-            f"another process failed while checkpoint {tmp} was written (its error line says why); {keep}: fix "
+            f"another process failed while {what} {tmp} was written (its error line says why); {keep}: fix "
             f"what it names, then rerun with --resume auto"
         )
         failure.follows_another = True  # said after a pause, so that the failed process's own line comes alone
@@ -491,7 +493,7 @@ def write_failure(tmp: Path, error: BaseException, last_good: Path | None) -> Ch
         f", file size limit (ulimit -f) {limit} bytes" if limit != resource.RLIM_INFINITY else ""
     )
     return CheckpointWriteError(
-        f"writing checkpoint {tmp} failed: {type(error).__name__}: {error} ({why}); {keep}: free space or raise "
+        f"writing {what} {tmp} failed: {type(error).__name__}: {error} ({why}); {keep}: free space or raise "
         f"the limit, then rerun with --resume auto"
     )
 
@@ -616,10 +618,17 @@ def export_final(accelerator, model, tokenizer, out_dir: Path) -> Path:
     """OUT/final: a plain Hugging Face model directory, weights gathered from the ZeRO-3 shards."""
     state_dict = accelerator.get_state_dict(model)  # collective: every rank takes part
     final, tmp = out_dir / "final", out_dir / ".tmp-final"
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        replace_dir(tmp, final)
-    accelerator.wait_for_everyone()
+    try:
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            fault("fsize_in_export", accelerator.process_index, 0)
+            accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            replace_dir(tmp, final)
+        accelerator.wait_for_everyone()
+    except Exception as e:  # noqa: BLE001 - a full or read-only disk: OSError, or safetensors' SafetensorError
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        last_good = newest_intact_checkpoint(out_dir / "checkpoints", lambda _: None)
+        raise write_failure(tmp, e, last_good, what="the final model to") from None
     return final

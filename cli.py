@@ -129,6 +129,7 @@ FAULTS = {
     "sigterm_in_save": "checkpoint.py: rank `rank` gets SIGTERM while checkpoint `step` is written",
     "enospc_in_save": "checkpoint.py: rank `rank` finds its disk full (ENOSPC) writing checkpoint `step`",
     "corrupt_link": "plan.py: rank `rank` sees one changed integer in the link check at start (`step` 0)",
+    "fsize_in_export": "checkpoint.py: rank `rank` writes OUT/final under a 64 KB file size limit (`step` 0)",
 }
 SIGNALS = {"sigkill_rank": signal.SIGKILL, "sigstop_rank": signal.SIGSTOP, "sigkill_in_save": signal.SIGKILL}
 
@@ -150,6 +151,10 @@ def fault(kind: str, rank: int, step: int) -> bool:
             continue
         if kind == "sigterm_launcher":
             os.kill(os.getppid(), signal.SIGTERM)
+        elif kind == "fsize_in_export":  # a real limit: the writes after it fail as on a full disk
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
         elif kind == "slow_step":
             time.sleep(4)
         elif kind.startswith("sig"):

@@ -523,6 +523,16 @@ def main(argv: list[str] | None = None) -> int:
     except WorkerDied as e:
         cli.print_error(str(e))
         return 3
+    except OSError as e:  # a full or read-only disk, a file size limit (prepare has said where the partial output is)
+        out_dir = Path(cfg.output_dir).expanduser().resolve()
+        probe = next(p for p in (out_dir, *out_dir.parents) if p.exists())
+        where = e.filename or f"a file under {own_dirs(out_dir)[1]}"
+        why = e.strerror or f"{e}, a short write: a full disk or a file size limit"
+        cli.print_error(
+            f"writing {where} failed: {why} ({shutil.disk_usage(probe).free / 2**30:.1f} GiB free on {probe}); free "
+            f"space, raise the limit or choose a writable --output_dir, then run the same command again"
+        )
+        return 3
     except KeyboardInterrupt:
         return 130
     return 0

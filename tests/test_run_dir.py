@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
+from common import synthetic_web_documents
 from conftest import TINY, launch, run, train_records
 
 RUN = [*TINY, "--micro_batch_size", "2", "--max_steps", "4", "--save_every", "2"]
@@ -189,6 +189,36 @@ def test_a_failed_checkpoint_write_names_the_path_and_keeps_the_last_checkpoint(
     line = assert_refused(proc, 3, f"writing checkpoint {out / 'checkpoints' / '.tmp-step_2'} failed", "ulimit -f")
     assert "no earlier checkpoint exists" in line
     assert not (out / "checkpoints" / "step_2").exists() and not (out / "final").exists()
+
+
+def test_a_final_export_the_disk_refuses_stops_for_good_and_resumes(docs_data, tmp_path):
+    """Issue #35: OUT/final written under a real file size limit fails in safetensors (SafetensorError, not an
+    OSError): one line naming .tmp-final and the last complete checkpoint, exit 3 (under --max_restarts that stops
+    the launcher instead of restarting into the same failure), no half-written final/; the message's advice,
+    --resume auto, then exports it."""
+    out = tmp_path / "out"
+    proc = train(*RUN, "--data_dir", docs_data, "--output_dir", out, check=False,
+                 env={"TRAIN_TEST_FAULT": "fsize_in_export:0:0"})  # fmt: skip
+    assert_refused(proc, 3, f"writing the final model to {out / '.tmp-final'} failed: SafetensorError",
+                   f"the last complete checkpoint, {out / 'checkpoints' / 'step_4'}, is intact")  # fmt: skip
+    assert not (out / "final").exists() and not (out / ".tmp-final").exists()
+    train("--output_dir", out, "--resume", "auto")
+    assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_prepare_data_on_a_full_disk_is_one_line_and_keeps_its_work(tmp_path):
+    """Issue #35: prepare_data.py writing past a file size limit (as on a full disk): one `error:` line, exit 3, the
+    partial output kept for the same command to continue."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(synthetic_web_documents(1_500_000, seed=2)))
+    args = ["--dataset", corpus, "--doc_separator", "blank_line", "--tokenizer", "bpe:300", "--num_proc", "1",
+            "--output_dir", tmp_path / "out"]  # fmt: skip
+    cmd = [sys.executable, "prepare_data.py", *map(str, args)]
+    proc = run(cmd, check=False, preexec_fn=limit_file_size(200_000))
+    assert_refused(proc, 3, f"writing a file under {tmp_path / '.out.partial'} failed", "a full disk or a file size")
+    assert (tmp_path / ".out.partial").is_dir() and not (tmp_path / "out").exists()
+    run(cmd)
+    assert (tmp_path / "out" / "meta.json").is_file()
 
 
 def test_a_full_disk_on_one_rank_is_told_as_the_others_would(docs_data, tmp_path):
