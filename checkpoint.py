@@ -241,9 +241,13 @@ def check_resume_compatible(state: dict, current: dict, ckpt: Path) -> None:
         if key in state and state[key] != value:
             where = {"precision": " (the accelerate config's mixed_precision, or --mixed_precision at launch)",
                      "zero_stage": " (the accelerate config's strategy)"}.get(key, "")  # fmt: skip
+            relaunch = "relaunch with the original setting"
+            if key == "precision":  # accelerate launch's own spelling of the run's precision
+                relaunch = f"relaunch with --mixed_precision {'no' if state[key] == 'fp32' else state[key]} after " \
+                           f"accelerate launch's --config_file"  # fmt: skip
             raise UserError(
                 f"cannot resume {ckpt}: it was made with {key}={state[key]!r}, this run has "
-                f"{key}={value!r}{where}; relaunch with the original setting, or {fresh_start(ckpt.parent.parent)}"
+                f"{key}={value!r}{where}; {relaunch}, or {fresh_start(ckpt.parent.parent)}"
             )
 
 

@@ -43,3 +43,5 @@ print(f"training throughput (last log line): {train[-1]['tokens_per_s']:,.0f} to
 print(f"loss curve:      {out / 'loss_curve.png'}")
 print(f"exported model:  {out / 'final'}  (AutoModelForCausalLM.from_pretrained)")
 PY
+# The README's "go on from 300 to 600 steps", with the precision this run trained in (a resume keeps it).
+echo "to go on to 600 steps: accelerate launch --config_file accelerate_configs/zero3_cpu.yaml ${PRECISION[*]:+${PRECISION[*]} }train.py --output_dir $OUT --max_steps 600 --lr_decay_steps 600 --resume auto"
