@@ -3,7 +3,7 @@
     OUT/checkpoints/.tmp-step_N   written by every rank (accelerator.save_state), then renamed by one process per
     OUT/checkpoints/step_N        filesystem to step_N, with trainer_state.json inside; `latest` moves last
     OUT/final                     a plain Hugging Face model directory (gathered from the ZeRO-3 shards)
-    OUT/.lock                     held (flock) by one process per machine while a run trains into OUT
+    OUT/.lock                     held (flock) by one process per machine while a run trains into OUT (resilience.py)
 
 A kill at any moment leaves the last complete checkpoint as it was.
 """
@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
-import socket
 import time
 from pathlib import Path
 
@@ -132,58 +130,6 @@ def mark_train_run(out: Path) -> None:
         tmp = out / f".{MARKER}.{os.getpid()}-{os.urandom(4).hex()}"
         tmp.write_text(json.dumps({"written_by": "train.py", "created": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
         os.replace(tmp, out / MARKER)
-
-
-_held_locks: dict[Path, object] = {}  # OUT -> its open lock file, held until this process exits
-
-
-def lock_run_dir(accelerator, out: Path) -> None:
-    """One run trains into OUT at a time. The first process of each machine takes an flock on OUT/.lock for the whole
-    run; the kernel releases it when that process dies, kill -9 included, so a dead run's lock is simply taken over.
-    The holder writes its launch's id (rank 0's host, pid and a nonce, the same on every machine of one launch) into
-    the file: a machine that finds OUT locked by its own launch (a filesystem shared by the machines) goes on, one that
-    finds another launch's id (or none: the holder is still starting) refuses, and so does every process with it.
-    Called once OUT exists; a second call in the same process does nothing."""
-    from accelerate.utils import broadcast_object_list, gather_object
-
-    if out.resolve() in _held_locks:
-        return
-    info = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    launch = broadcast_object_list([f"{info['host']}:{info['pid']}:{os.urandom(6).hex()}"])[0]
-    handle = None
-    if accelerator.is_local_main_process:
-        handle = open(out / LOCK, "a+")  # noqa: SIM115 - held open for the life of the process
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            handle.truncate(0)
-            handle.write(json.dumps({**info, "launch": launch}) + "\n")
-            handle.flush()
-        except BlockingIOError:
-            handle.close()
-            handle = None
-    accelerator.wait_for_everyone()  # every holder has written its launch id
-    problem = ""
-    if accelerator.is_local_main_process and handle is None:
-        try:
-            holder = json.loads((out / LOCK).read_text())
-        except (OSError, ValueError):
-            holder = None
-        if not isinstance(holder, dict) or holder.get("launch") != launch:
-            if isinstance(holder, dict) and "pid" in holder:
-                who = f"pid {holder['pid']} on {holder.get('host')}, started {holder.get('started')}"
-                stop = f"kill -TERM {holder['pid']} on {holder.get('host')} saves a checkpoint first"
-            else:
-                who, stop = "a process still starting", "kill -TERM saves a checkpoint first"
-            problem = (
-                f"--output_dir {out} is in use by another train.py run ({who}); two runs in one directory overwrite "
-                f"each other's checkpoints and metrics: wait for it to end, or stop it ({stop}) and then --resume "
-                f"auto, or choose another --output_dir"
-            )
-    problems = [p for p in gather_object([problem]) if p]  # what one machine found stops all of them
-    if problems:
-        raise UserError(problems[0])
-    if handle is not None:
-        _held_locks[out.resolve()] = handle
 
 
 def config_for_resume(cfg, given: set[str], saved: dict):

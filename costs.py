@@ -347,15 +347,8 @@ def strategy_name(launch: Launch) -> str:
     return f"ZeRO-{launch.zero_stage}"
 
 
-def machine_for(
-    cfg,
-    launch: Launch,
-    peak_flops_per_device: float,
-    links: dict | None = None,
-    gpu_memory_gib: float = 0.0,
-    model_rate: float | None = None,
-    paper: bool = False,
-) -> Machine:
+def machine_for(cfg, launch: Launch, peak_flops_per_device: float, links: dict | None = None,
+                gpu_memory_gib: float = 0.0, model_rate: float | None = None, paper: bool = False) -> Machine:
     """The Machine a plan of train.py's Config divides by: measured figures where given (links: plan.measure_links of
     the run; gpu_memory_gib > 0: the device's; model_rate: plan.measure_model_rate's FLOP/s, `paper` or live), else
     the flags (compute: --assumed_mfu of the peak) and, for the device's copy rate, the RTX 4090's datasheet (or an

@@ -1,6 +1,9 @@
 """What keeps a week-long run going without a person watching it (train.py uses all of it):
 
-any_process  SIGTERM/SIGINT on any process stops every process after the same step (one tiny all-reduce a step)
+StopSignals  SIGTERM, SIGINT, SIGHUP or SIGQUIT (what torchrun passes on) asks the run to save and stop; after a
+             hangup the console goes on in a file in OUT
+any_process  a stop asked on any process stops every process after the same step (one tiny all-reduce a step)
+lock_run_dir one run trains into an OUT at a time (an flock on OUT/.lock, released when its process dies)
 Skips        a step whose loss or gradient norm is not finite is skipped on every process (DeepSpeed skips it
              itself, fp16 overflow or not; without DeepSpeed the loop does), counted, and more than
              --max_skipped_steps in a row stop the run (backward: fp16 at its minimum loss scale stops it too)
@@ -12,6 +15,8 @@ Watchdog     a phase (startup, step, validation, checkpoint) far past its limit:
 from __future__ import annotations
 
 import faulthandler
+import fcntl
+import json
 import os
 import signal
 import socket
@@ -22,12 +27,36 @@ from pathlib import Path
 
 import torch
 
+import checkpoint
+import cli
 import metrics
+from cli import UserError
 
 
 # The signals torchrun's agent (under accelerate launch) catches and passes on to its workers before it kills them
 # (TORCHELASTIC_SIGNALS_TO_HANDLE's default): each one asks the run to save and stop.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+class StopSignals:
+    """STOP_SIGNALS, caught: `received` lists those that came. After a hangup (a closed terminal, a dropped ssh) the
+    terminal is gone and every write to it fails, so this process's console goes on in
+    OUT/console-after-hangup-rank<R>.txt."""
+
+    def __init__(self, out: Path, rank: int):
+        self.received: list[int] = []
+        self.console_file = out / f"console-after-hangup-rank{rank}.txt"
+        self.console_is_tty = sys.stdout.isatty() or sys.stderr.isatty()
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        if signum == signal.SIGHUP and self.console_is_tty:
+            cli.console_to_file(self.console_file)
+        self.received.append(signum)
+
+    def name(self) -> str:
+        return signal.Signals(self.received[0]).name if self.received else "a signal to another process"
 
 
 def any_process(accelerator, asked: bool) -> bool:
@@ -36,6 +65,58 @@ def any_process(accelerator, asked: bool) -> bool:
     measurably faster on CPU processes (within the rounds' spread, BENCHMARKS.md) and cost a preempted run its
     checkpoint when a step is long: torchrun kills its workers 30 s after passing on a SIGTERM."""
     return bool(accelerator.reduce(torch.tensor([float(asked)], device=accelerator.device), "sum") > 0)
+
+
+_held_locks: dict[Path, object] = {}  # OUT -> its open lock file, held until this process exits
+
+
+def lock_run_dir(accelerator, out: Path) -> None:
+    """One run trains into OUT at a time. The first process of each machine takes an flock on OUT/.lock for the whole
+    run; the kernel releases it when that process dies, kill -9 included, so a dead run's lock is simply taken over.
+    The holder writes its launch's id (rank 0's host, pid and a nonce, the same on every machine of one launch) into
+    the file: a machine that finds OUT locked by its own launch (a filesystem shared by the machines) goes on, one that
+    finds another launch's id (or none: the holder is still starting) refuses, and so does every process with it.
+    Called once OUT exists; a second call in the same process does nothing."""
+    from accelerate.utils import broadcast_object_list, gather_object
+
+    if out.resolve() in _held_locks:
+        return
+    info = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    launch = broadcast_object_list([f"{info['host']}:{info['pid']}:{os.urandom(6).hex()}"])[0]
+    handle = None
+    if accelerator.is_local_main_process:
+        handle = open(out / checkpoint.LOCK, "a+")  # noqa: SIM115 - held open for the life of the process
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            handle.truncate(0)
+            handle.write(json.dumps({**info, "launch": launch}) + "\n")
+            handle.flush()
+        except BlockingIOError:
+            handle.close()
+            handle = None
+    accelerator.wait_for_everyone()  # every holder has written its launch id
+    problem = ""
+    if accelerator.is_local_main_process and handle is None:
+        try:
+            holder = json.loads((out / checkpoint.LOCK).read_text())
+        except (OSError, ValueError):
+            holder = None
+        if not isinstance(holder, dict) or holder.get("launch") != launch:
+            if isinstance(holder, dict) and "pid" in holder:
+                who = f"pid {holder['pid']} on {holder.get('host')}, started {holder.get('started')}"
+                stop = f"kill -TERM {holder['pid']} on {holder.get('host')} saves a checkpoint first"
+            else:
+                who, stop = "a process still starting", "kill -TERM saves a checkpoint first"
+            problem = (
+                f"--output_dir {out} is in use by another train.py run ({who}); two runs in one directory overwrite "
+                f"each other's checkpoints and metrics: wait for it to end, or stop it ({stop}) and then --resume "
+                f"auto, or choose another --output_dir"
+            )
+    problems = [p for p in gather_object([problem]) if p]  # what one machine found stops all of them
+    if problems:
+        raise UserError(problems[0])
+    if handle is not None:
+        _held_locks[out.resolve()] = handle
 
 
 class Diverged(Exception):

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import signal
 import sys
 import time
 import warnings
@@ -259,7 +258,7 @@ def check(cfg: Config, given: set[str], accelerator) -> Run:
     check_flags(cfg)
     checkpoint.check_output_dir(cfg.output_dir, cfg.resume)
     if Path(cfg.output_dir).is_dir():  # before anything in it is read: another run may be writing it (a new OUT: setup)
-        checkpoint.lock_run_dir(accelerator, Path(cfg.output_dir))
+        resilience.lock_run_dir(accelerator, Path(cfg.output_dir))
     found = checkpoint.find_resume_checkpoint(cfg.resume, Path(cfg.output_dir) / "checkpoints", accelerator)
     resume = checkpoint.Resume(found, checkpoint.read_trainer_state(found)) if found else None
     if resume is not None:
@@ -267,8 +266,8 @@ def check(cfg: Config, given: set[str], accelerator) -> Run:
         if taken:
             accelerator.print(f"settings from {found.name}: " + " ".join(f"--{k} {v}" for k, v in taken.items()))
         if changed:
-            accelerator.print(f"changed from {found.name}: " + ", ".join(f"--{k} {a} -> {b}" for k, (a, b) in
-                                                                         changed.items()))  # fmt: skip
+            changes = ", ".join(f"--{name} {before} -> {after}" for name, (before, after) in changed.items())
+            accelerator.print(f"changed from {found.name}: {changes}")
             resume = dataclasses.replace(resume, changed=changed)
         check_flags(cfg)
     data = token_data.training_data(cfg.data_dir, cfg.seq_len, cfg.eval_tokens)
@@ -423,7 +422,7 @@ def setup(cfg: Config, given: set[str]) -> tuple[Run, Parts]:
     out, ckpt_root = Path(cfg.output_dir), Path(cfg.output_dir) / "checkpoints"
     if accelerator.is_local_main_process:
         checkpoint.mark_train_run(out)
-    checkpoint.lock_run_dir(accelerator, out)
+    resilience.lock_run_dir(accelerator, out)
     finaliser = checkpoint.first_process_on_disk(accelerator, ckpt_root)
     if finaliser:
         removed = checkpoint.remove_leftovers(ckpt_root, finished=False)
@@ -474,18 +473,8 @@ def train(cfg: Config, given: set[str]) -> int:
             f"step {step} | val loss {val:.4f} | val ppl {math.exp(val):.2f}",
         )
 
-    # Every signal the launcher passes on to its workers (a scheduler's preemption notice, Ctrl-C, a closed terminal or
-    # a dropped ssh): finish the step, save, exit. After a hangup the terminal is gone and writing to it fails, so the
-    # console goes on in a file in OUT.
-    stop_signal, console_is_tty = [], sys.stdout.isatty() or sys.stderr.isatty()
-
-    def on_stop_signal(signum, frame) -> None:
-        if signum == signal.SIGHUP and console_is_tty:
-            cli.console_to_file(out / f"console-after-hangup-rank{rank}.txt")
-        stop_signal.append(signum)
-
-    for sig in resilience.STOP_SIGNALS:
-        signal.signal(sig, on_stop_signal)
+    # A scheduler's preemption notice, Ctrl-C, a closed terminal or a dropped ssh: finish the step, save, exit.
+    stop_signals = resilience.StopSignals(out, rank)
     step = run.resume.state["step"] if run.resume is not None else 0
     bar = cli.progress_bar(
         total=run.total_steps, initial=step, desc="train", dynamic_ncols=True, disable=not accelerator.is_main_process
@@ -526,7 +515,7 @@ def train(cfg: Config, given: set[str]) -> int:
         for kind in ("sigterm_launcher", "sigkill_rank", "sigstop_rank", "slow_step"):  # the crash tests' points
             cli.fault(kind, rank, step + 1)
         step += 1
-        stop_requested = resilience.any_process(accelerator, bool(stop_signal))  # all stop after the same step
+        stop_requested = resilience.any_process(accelerator, bool(stop_signals.received))  # all after the same step
         # The loss logged is the mean over the steps taken (reduced over processes at the log step).
         if not skips.after_step(step, skip):
             interval.loss_sum, interval.counted = interval.loss_sum + loss_sum / accum, interval.counted + 1
@@ -553,12 +542,12 @@ def train(cfg: Config, given: set[str]) -> int:
             )
             accelerator.print(f"saved {saved}")
             # A signal that came while the checkpoint was written stops the run now, not one step and checkpoint later.
-            stop_requested = resilience.any_process(accelerator, stop_requested or bool(stop_signal))
+            stop_requested = resilience.any_process(accelerator, stop_requested or bool(stop_signals.received))
         interval.t0 += time.perf_counter() - pause_t0  # throughput counts training time only
         watchdog.beat(step)
         if stop_requested and step < run.total_steps:
             bar.close()
-            why = signal.Signals(stop_signal[0]).name if stop_signal else "a signal to another process"
+            why = stop_signals.name()
             if accelerator.is_main_process:  # the run's history says why it ended here
                 metrics.append(out / "metrics.jsonl", {"step": step, "event": "stop", "signal": why})
             accelerator.print(
