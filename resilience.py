@@ -67,7 +67,8 @@ def any_process(accelerator, asked: bool) -> bool:
     return bool(accelerator.reduce(torch.tensor([float(asked)], device=accelerator.device), "sum") > 0)
 
 
-_held_locks: dict[Path, object] = {}  # OUT -> its open lock file, held until this process exits
+# This launch's id, and the open lock file of this machine's first process (held until the process exits).
+_lock: dict = {"launch": None, "file": None}
 
 
 def lock_run_dir(accelerator, out: Path) -> None:
@@ -76,27 +77,30 @@ def lock_run_dir(accelerator, out: Path) -> None:
     The holder writes its launch's id (rank 0's host, pid and a nonce, the same on every machine of one launch) into
     the file: a machine that finds OUT locked by its own launch (a filesystem shared by the machines) goes on, one that
     finds another launch's id (or none: the holder is still starting) refuses, and so does every process with it.
-    Called once OUT exists; a second call in the same process does nothing."""
+    Collective: every process calls it before anything in OUT is read, and again once OUT exists (a machine without
+    OUT yet takes its lock then; one that holds it already does nothing)."""
     from accelerate.utils import broadcast_object_list, gather_object
 
-    if out.resolve() in _held_locks:
-        return
-    info = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    launch = broadcast_object_list([f"{info['host']}:{info['pid']}:{os.urandom(6).hex()}"])[0]
-    handle = None
-    if accelerator.is_local_main_process:
+    if _lock["launch"] is None:
+        info = f"{socket.gethostname()}:{os.getpid()}:{os.urandom(6).hex()}"
+        _lock["launch"] = broadcast_object_list([info])[0]
+    launch, locked_by_other = _lock["launch"], False
+    if accelerator.is_local_main_process and _lock["file"] is None and out.is_dir():
         handle = open(out / checkpoint.LOCK, "a+")  # noqa: SIM115 - held open for the life of the process
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            started = time.strftime("%Y-%m-%d %H:%M:%S")
             handle.truncate(0)
-            handle.write(json.dumps({**info, "launch": launch}) + "\n")
+            handle.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": started,
+                                     "launch": launch}) + "\n")  # fmt: skip
             handle.flush()
+            _lock["file"] = handle
         except BlockingIOError:
             handle.close()
-            handle = None
+            locked_by_other = True
     accelerator.wait_for_everyone()  # every holder has written its launch id
     problem = ""
-    if accelerator.is_local_main_process and handle is None:
+    if locked_by_other:
         try:
             holder = json.loads((out / checkpoint.LOCK).read_text())
         except (OSError, ValueError):
@@ -115,8 +119,6 @@ def lock_run_dir(accelerator, out: Path) -> None:
     problems = [p for p in gather_object([problem]) if p]  # what one machine found stops all of them
     if problems:
         raise UserError(problems[0])
-    if handle is not None:
-        _held_locks[out.resolve()] = handle
 
 
 class Diverged(Exception):

@@ -257,8 +257,7 @@ def check(cfg: Config, given: set[str], accelerator) -> Run:
     --init_from is not read again."""
     check_flags(cfg)
     checkpoint.check_output_dir(cfg.output_dir, cfg.resume)
-    if Path(cfg.output_dir).is_dir():  # before anything in it is read: another run may be writing it (a new OUT: setup)
-        resilience.lock_run_dir(accelerator, Path(cfg.output_dir))
+    resilience.lock_run_dir(accelerator, Path(cfg.output_dir))  # before anything in OUT is read (a new OUT: in setup)
     found = checkpoint.find_resume_checkpoint(cfg.resume, Path(cfg.output_dir) / "checkpoints", accelerator)
     resume = checkpoint.Resume(found, checkpoint.read_trainer_state(found)) if found else None
     if resume is not None:
