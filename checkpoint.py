@@ -155,6 +155,17 @@ def config_for_resume(cfg, given: set[str], saved: dict):
     return dataclasses.replace(cfg, **taken), taken, changed
 
 
+def resume_settings(cfg, given: set[str], resume: Resume, say):
+    """config_for_resume for `resume`, saying what it took and what it changed: (the run's Config, the Resume with its
+    changes, which metrics.jsonl records)."""
+    cfg, taken, changed = config_for_resume(cfg, given, resume.state.get("config", {}))
+    if taken:
+        say(f"settings from {resume.path.name}: " + " ".join(f"--{k} {v}" for k, v in taken.items()))
+    if changed:
+        say(f"changed from {resume.path.name}: " + ", ".join(f"--{k} {a} -> {b}" for k, (a, b) in changed.items()))
+    return cfg, dataclasses.replace(resume, changed=changed)
+
+
 def fresh_start(output_dir) -> str:
     """The advice for a setting no resume can change: a new run, from OUT/final's weights where there are any."""
     final = Path(output_dir) / "final"

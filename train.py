@@ -261,13 +261,7 @@ def check(cfg: Config, given: set[str], accelerator) -> Run:
     found = checkpoint.find_resume_checkpoint(cfg.resume, Path(cfg.output_dir) / "checkpoints", accelerator)
     resume = checkpoint.Resume(found, checkpoint.read_trainer_state(found)) if found else None
     if resume is not None:
-        cfg, taken, changed = checkpoint.config_for_resume(cfg, given, resume.state.get("config", {}))
-        if taken:
-            accelerator.print(f"settings from {found.name}: " + " ".join(f"--{k} {v}" for k, v in taken.items()))
-        if changed:
-            changes = ", ".join(f"--{name} {before} -> {after}" for name, (before, after) in changed.items())
-            accelerator.print(f"changed from {found.name}: {changes}")
-            resume = dataclasses.replace(resume, changed=changed)
+        cfg, resume = checkpoint.resume_settings(cfg, given, resume, accelerator.print)
         check_flags(cfg)
     data = token_data.training_data(cfg.data_dir, cfg.seq_len, cfg.eval_tokens)
     tokenizer = models.load_tokenizer(
@@ -307,19 +301,13 @@ def check_resume(run: Run, given: set[str]) -> str | None:
 
 
 def replan_schedule(schedule: Schedule, state: dict, given: set[str]) -> str | None:
-    """A resumed run keeps its schedule's length unless the command re-plans it with --lr_decay_steps; --max_steps or
-    --num_epochs alone would stretch the cosine under the run's feet, which is refused. A re-planned length or a
-    changed --lr, --warmup_steps or --min_lr_ratio returns the line to print, with the LR at the resume step before
-    and after."""
-    run_cfg = state.get("config", {})
-    old_steps = run_cfg.get("lr_decay_steps") or state["total_steps"]
-    saved = Schedule(
-        run_cfg.get("lr", schedule.peak_lr),
-        run_cfg.get("warmup_steps", schedule.warmup_steps),
-        old_steps,
-        run_cfg.get("min_lr_ratio", schedule.min_lr_ratio),
-    )
-    new, old, step = schedule.decay_steps, old_steps, state["step"]
+    """A resumed run keeps its schedule's length unless the command re-plans it with --lr_decay_steps (--max_steps alone
+    would stretch the cosine under the run's feet: refused). A new length, --lr, --warmup_steps or --min_lr_ratio
+    returns the line to print, with the LR at the resume step before and after."""
+    ran, new, step = state.get("config", {}), schedule.decay_steps, state["step"]
+    old = ran.get("lr_decay_steps") or state["total_steps"]
+    keys = {"peak_lr": "lr", "warmup_steps": "warmup_steps", "min_lr_ratio": "min_lr_ratio"}  # Schedule: Config
+    saved = dataclasses.replace(schedule, decay_steps=old, **{k: ran[f] for k, f in keys.items() if f in ran})
     if saved == schedule:
         return None
     change = f"the LR at step {step} goes from {saved.lr(step):.3g} to {schedule.lr(step):.3g}"
@@ -404,15 +392,14 @@ def setup(cfg: Config, given: set[str]) -> tuple[Run, Parts]:
         accelerator.print(replanned)
     cfg, batch, launch = run.cfg, run.batch, run.launch
     accelerator.gradient_accumulation_steps = launch.grad_accum_steps  # a DeepSpeed JSON may be what sets it
-    # A CPU's matmul kernels may round differently with another thread count (MKL on AMD EPYC does for 5-11 rows, as
-    # MoE experts get): the launcher decides it per process, so the run says it.
-    cpu = accelerator.device.type == "cpu"
+    # CPU matmuls may round differently with another thread count (MKL on AMD EPYC, 5-11 rows): the launcher decides.
+    threads = f", torch threads per process: {torch.get_num_threads()}" if accelerator.device.type == "cpu" else ""
     accelerator.print(
         f"batch plan: {batch.micro_batch_size} micro x {launch.grad_accum_steps} accumulation x "
         f"{launch.world_size} processes = {batch.sequences_per_step} sequences = {batch.tokens_per_step:,} tokens "
         f"per step; {run.total_steps} steps ({run.total_steps * batch.sequences_per_step / run.data.n_windows:.2f} "
         f"epochs of {run.data.n_windows:,} windows); {accelerator.distributed_type.value}, {launch.precision}, "
-        f"on {accelerator.device.type}" + (f", torch threads per process: {torch.get_num_threads()}" if cpu else "")
+        f"on {accelerator.device.type}{threads}"
     )
     peak_flops, peak_source = plan.measure_peak_flops(accelerator, launch.precision)
     costs.check_fits(run, accelerator, peak_flops, plan.measure_links(accelerator))
@@ -472,8 +459,7 @@ def train(cfg: Config, given: set[str]) -> int:
             f"step {step} | val loss {val:.4f} | val ppl {math.exp(val):.2f}",
         )
 
-    # A scheduler's preemption notice, Ctrl-C, a closed terminal or a dropped ssh: finish the step, save, exit.
-    stop_signals = resilience.StopSignals(out, rank)
+    stop_signals = resilience.StopSignals(out, rank)  # preemption, Ctrl-C, a closed terminal: finish the step, save
     step = run.resume.state["step"] if run.resume is not None else 0
     bar = cli.progress_bar(
         total=run.total_steps, initial=step, desc="train", dynamic_ncols=True, disable=not accelerator.is_main_process
@@ -546,12 +532,11 @@ def train(cfg: Config, given: set[str]) -> int:
         watchdog.beat(step)
         if stop_requested and step < run.total_steps:
             bar.close()
-            why = stop_signals.name()
             if accelerator.is_main_process:  # the run's history says why it ended here
-                metrics.append(out / "metrics.jsonl", {"step": step, "event": "stop", "signal": why})
+                metrics.append(out / "metrics.jsonl", {"step": step, "event": "stop", "signal": stop_signals.name()})
             accelerator.print(
-                f"stopped by signal after step {step} ({why}); the same command with --resume auto continues "
-                f"from {ckpt_root / f'step_{step}'}"
+                f"stopped by signal after step {step} ({stop_signals.name()}); the same command with --resume auto "
+                f"continues from {ckpt_root / f'step_{step}'}"
             )
             watchdog.stop()
             accelerator.end_training()
