@@ -558,8 +558,10 @@ def start_outputs(run, accelerator, mem_before_model_gib: float) -> None:
             where = f"{run.resume.path.name} (step {step})" if run.resume is not None else "the start (no checkpoint)"
             print(f"{f'restart {restart} by the launcher: ' if restart else ''}resumed from {where}; {lost} step(s) "
                   f"logged after it were lost")  # fmt: skip
-        if run.resume is not None and run.resume.changed:
-            append(out / "metrics.jsonl", {"step": step, "event": "change", "changed": run.resume.changed})
+        for name, (before, after) in (run.resume.changed if run.resume is not None else {}).items():
+            append(
+                out / "metrics.jsonl", {"step": step, "event": "change", "setting": name, "from": before, "to": after}
+            )
         settings = {"written_by": "train.py", **dataclasses.asdict(cfg), "batch_plan": dataclasses.asdict(run.batch)}
         write_json_atomic(
             out / "config.json",

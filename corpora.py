@@ -406,12 +406,15 @@ def without_prepared_outputs(files: list[Path], exclude: Iterable[Path] = ()) ->
     return kept, skipped
 
 
-OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
-
-
 def offline_variable() -> str | None:
-    """The variable that puts Hugging Face's libraries in offline mode (local cache only), if one does."""
-    return next((v for v in OFFLINE_VARIABLES if os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")), None)
+    """The variable that puts Hugging Face's libraries in offline mode (local cache only), if one does, read as they
+    read it: huggingface_hub (and transformers) by the first of HF_HUB_OFFLINE and TRANSFORMERS_OFFLINE that is set,
+    even to 0; datasets by HF_DATASETS_OFFLINE too."""
+    hub = next((v for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE") if os.environ.get(v)), None)
+    for variable in (hub, "HF_DATASETS_OFFLINE"):
+        if variable and os.environ.get(variable, "").upper() in ("1", "ON", "YES", "TRUE"):
+            return variable
+    return None
 
 
 def from_hub(what: str, load, fix: str):

@@ -4,6 +4,7 @@
     metrics_record   the record of a log step: loss, lr, grad norm, tokens/s, MFU, peak memory, fp16 scale, MoE balance
     console_line     its one line on the console
     append / read_metrics / truncate_metrics / plot_losses   metrics.jsonl written, read, cut back, drawn
+    check_trackers   --log_with's trackers known and installed, before the run starts
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 
 import plan
-from cli import write_atomic
+from cli import UserError, write_atomic
 
 
 @dataclasses.dataclass
@@ -159,3 +160,21 @@ def truncate_metrics(metrics_path: Path, step: int) -> int:
     records, bad = read_metrics(metrics_path)
     write_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in records if r["step"] <= step))
     return bad
+
+
+def check_trackers(log_with: str) -> None:
+    """--log_with names trackers Accelerate knows (comma-separated) whose packages are installed: refused before the
+    run starts, not Accelerate's ValueError, or a warning and a run with no tracker at all."""
+    from accelerate.utils import LoggerType
+    from accelerate.utils import imports
+
+    names = [n.strip() for n in log_with.split(",") if n.strip()]
+    if log_with and not names:
+        raise UserError(f"--log_with {log_with!r} names no tracker; e.g. --log_with tensorboard, or leave it out")
+    for name in names:
+        if name not in LoggerType.list() or name == "all":
+            known = ", ".join(n for n in LoggerType.list() if n != "all")
+            raise UserError(f"--log_with {name!r}: name one or more of {known} (comma-separated)")
+        if not getattr(imports, f"is_{name}_available")():
+            package = {"comet_ml": "comet-ml"}.get(name, name)
+            raise UserError(f"--log_with {name}: the {name} package is not installed; pip install {package}")

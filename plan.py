@@ -164,21 +164,6 @@ def join_restarted_process_group() -> None:
     )
 
 
-def check_trackers(log_with: str) -> None:
-    """--log_with names trackers Accelerate knows (comma-separated) whose packages are installed: refused before the
-    run starts, not Accelerate's ValueError, or a warning and a run with no tracker at all."""
-    from accelerate.utils import LoggerType
-    from accelerate.utils import imports
-
-    for name in filter(None, (n.strip() for n in log_with.split(","))):
-        if name not in LoggerType.list() or name == "all":
-            known = ", ".join(n for n in LoggerType.list() if n != "all")
-            raise UserError(f"--log_with {name!r}: name one or more of {known} (comma-separated)")
-        if not getattr(imports, f"is_{name}_available")():
-            package = {"comet_ml": "comet-ml"}.get(name, name)
-            raise UserError(f"--log_with {name}: the {name} package is not installed; pip install {package}")
-
-
 def start_accelerator(log_with: str, project_dir: str):
     """The Accelerator of this process, refusing a launch whose processes would not synchronise."""
     from accelerate import Accelerator

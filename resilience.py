@@ -14,6 +14,7 @@ Watchdog     a phase (startup, step, validation, checkpoint) far past its limit:
 
 from __future__ import annotations
 
+import errno
 import faulthandler
 import fcntl
 import json
@@ -41,22 +42,62 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 class StopSignals:
     """STOP_SIGNALS, caught: `received` lists those that came. After a hangup (a closed terminal, a dropped ssh) the
     terminal is gone and every write to it fails, so this process's console goes on in
-    OUT/console-after-hangup-rank<R>.txt."""
+    OUT/console-after-hangup-rank<R>.txt. The launcher starts its workers in their own session and passes the SIGHUP
+    on a moment later: a write that fails with EIO first (the terminal is gone) counts as the hangup itself."""
 
     def __init__(self, out: Path, rank: int):
         self.received: list[int] = []
-        self.console_file = out / f"console-after-hangup-rank{rank}.txt"
-        self.console_is_tty = sys.stdout.isatty() or sys.stderr.isatty()
+        self.console_file, self.hung_up = out / f"console-after-hangup-rank{rank}.txt", False
+        if sys.stdout.isatty() or sys.stderr.isatty():
+            sys.stdout, sys.stderr = _HangupSafe(sys.stdout, self._hangup), _HangupSafe(sys.stderr, self._hangup)
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
-        if signum == signal.SIGHUP and self.console_is_tty:
-            cli.console_to_file(self.console_file)
+        if signum == signal.SIGHUP:
+            self._hangup()
         self.received.append(signum)
 
-    def name(self) -> str:
-        return signal.Signals(self.received[0]).name if self.received else "a signal to another process"
+    def _hangup(self) -> None:
+        if isinstance(sys.stdout, _HangupSafe) and not self.hung_up:
+            self.hung_up = True
+            cli.console_to_file(self.console_file)
+            self.received.append(signal.SIGHUP)
+
+    def name(self, accelerator) -> str:
+        """The signal that stopped the run, whichever process got it (collective: called by every process)."""
+        number = torch.tensor([self.received[0] if self.received else 0], device=accelerator.device)
+        if accelerator.num_processes > 1:
+            torch.distributed.all_reduce(number, op=torch.distributed.ReduceOp.MAX)
+        return signal.Signals(int(number)).name if int(number) else "a stop asked by another process"
+
+
+class _HangupSafe:
+    """A console stream whose write or flush failing with EIO (a hung-up terminal) calls on_hangup, which points the
+    stream's file descriptor elsewhere, and flushes again: what failed to go out is still in the stream's buffer
+    (writing it again would say it twice)."""
+
+    def __init__(self, stream, on_hangup):
+        self.stream, self.on_hangup = stream, on_hangup
+
+    def _on_eio(self, method: str, *args):
+        try:
+            return getattr(self.stream, method)(*args)
+        except OSError as e:
+            if e.errno != errno.EIO:
+                raise
+            self.on_hangup()
+            self.stream.flush()
+            return len(args[0]) if args else None
+
+    def write(self, text: str) -> int:
+        return self._on_eio("write", text)
+
+    def flush(self) -> None:
+        self._on_eio("flush")
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
 
 
 def any_process(accelerator, asked: bool) -> bool:
@@ -85,8 +126,15 @@ def lock_run_dir(accelerator, out: Path) -> None:
         info = f"{socket.gethostname()}:{os.getpid()}:{os.urandom(6).hex()}"
         _lock["launch"] = broadcast_object_list([info])[0]
     launch, locked_by_other = _lock["launch"], False
-    if accelerator.is_local_main_process and _lock["file"] is None and out.is_dir():
-        handle = open(out / checkpoint.LOCK, "a+")  # noqa: SIM115 - held open for the life of the process
+    ours = out.is_dir() and (checkpoint.is_train_run(out) or all(p.name == checkpoint.LOCK for p in out.iterdir()))
+    if accelerator.is_local_main_process and _lock["file"] is None and ours:  # else check_output_dir refuses OUT
+        try:  # never through a symlink: the lock file is the only one written before OUT is known to be a run's
+            fd = os.open(out / checkpoint.LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            raise UserError(
+                f"{out / checkpoint.LOCK} is not a file train.py can lock ({e.strerror}); move it away"
+            ) from None
+        handle = os.fdopen(fd, "r+")
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             started = time.strftime("%Y-%m-%d %H:%M:%S")

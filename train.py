@@ -232,7 +232,8 @@ def check_flags(cfg: Config) -> None:
         if getattr(cfg, name) < 1:
             raise UserError(f"--{name} {getattr(cfg, name)} must be at least 1")
     never_negative = ("max_steps", "warmup_steps", "lr_decay_steps", "eval_every", "save_every", "eval_tokens",
-                      "moe_bias_update_speed", "moe_aux_loss_alpha", "loss_chunk_tokens")  # fmt: skip
+                      "moe_bias_update_speed", "moe_aux_loss_alpha", "loss_chunk_tokens", "max_grad_norm",
+                      "max_skipped_steps")  # fmt: skip
     for name in never_negative:
         if getattr(cfg, name) < 0:
             raise UserError(f"--{name} {getattr(cfg, name)} must not be negative")
@@ -256,8 +257,8 @@ def check(cfg: Config, given: set[str], accelerator) -> Run:
     its checkpoint's (those the command gives must agree), and its weights and model config come from there too, so
     --init_from is not read again."""
     check_flags(cfg)
-    checkpoint.check_output_dir(cfg.output_dir, cfg.resume)
     resilience.lock_run_dir(accelerator, Path(cfg.output_dir))  # before anything in OUT is read (a new OUT: in setup)
+    checkpoint.check_output_dir(cfg.output_dir, cfg.resume)
     found = checkpoint.find_resume_checkpoint(cfg.resume, Path(cfg.output_dir) / "checkpoints", accelerator)
     resume = checkpoint.Resume(found, checkpoint.read_trainer_state(found)) if found else None
     if resume is not None:
@@ -382,7 +383,7 @@ def build_model(run: Run, accelerator):
 def setup(cfg: Config, given: set[str]) -> tuple[Run, Parts]:
     """Check, resume, build: nothing is written to OUT before the first two phases have passed on every process."""
     watchdog = resilience.Watchdog(cfg.output_dir, cfg.step_timeout_s)  # a hang while starting ends the attempt too
-    plan.check_trackers(cfg.log_with)
+    metrics.check_trackers(cfg.log_with)
     accelerator = plan.start_accelerator(cfg.log_with, cfg.output_dir)
     run = check(cfg, given, accelerator)
     if run.cfg.step_timeout_s != cfg.step_timeout_s:  # a resumed run's own limit, or the one this resume changed
@@ -392,7 +393,6 @@ def setup(cfg: Config, given: set[str]) -> tuple[Run, Parts]:
         accelerator.print(replanned)
     cfg, batch, launch = run.cfg, run.batch, run.launch
     accelerator.gradient_accumulation_steps = launch.grad_accum_steps  # a DeepSpeed JSON may be what sets it
-    # CPU matmuls may round differently with another thread count (MKL on AMD EPYC, 5-11 rows): the launcher decides.
     threads = f", torch threads per process: {torch.get_num_threads()}" if accelerator.device.type == "cpu" else ""
     accelerator.print(
         f"batch plan: {batch.micro_batch_size} micro x {launch.grad_accum_steps} accumulation x "
@@ -442,8 +442,7 @@ def train(cfg: Config, given: set[str]) -> int:
     run, parts = setup(cfg, given)
     cfg, accelerator, model, optimizer = run.cfg, parts.accelerator, parts.model, parts.optimizer
     balancer, out, rank = parts.balancer, Path(cfg.output_dir), accelerator.process_index
-    accum, chunk = run.launch.grad_accum_steps, cfg.loss_chunk_tokens
-    ckpt_root = out / "checkpoints"
+    accum, chunk, ckpt_root = run.launch.grad_accum_steps, cfg.loss_chunk_tokens, out / "checkpoints"
 
     def log(record: dict, console: str) -> None:
         if accelerator.is_main_process:
@@ -532,10 +531,11 @@ def train(cfg: Config, given: set[str]) -> int:
         watchdog.beat(step)
         if stop_requested and step < run.total_steps:
             bar.close()
+            why = stop_signals.name(accelerator)
             if accelerator.is_main_process:  # the run's history says why it ended here
-                metrics.append(out / "metrics.jsonl", {"step": step, "event": "stop", "signal": stop_signals.name()})
+                metrics.append(out / "metrics.jsonl", {"step": step, "event": "stop", "signal": why})
             accelerator.print(
-                f"stopped by signal after step {step} ({stop_signals.name()}); the same command with --resume auto "
+                f"stopped by signal after step {step} ({why}); the same command with --resume auto "
                 f"continues from {ckpt_root / f'step_{step}'}"
             )
             watchdog.stop()

@@ -19,6 +19,8 @@ import pytest
 from conftest import REPO, TINY, launch_cmd, metrics, run, train_records
 from test_run_dir import assert_refused
 
+import metrics as run_metrics
+import resilience
 import train
 
 RUN = [*TINY, "--micro_batch_size", "2", "--save_every", "2"]
@@ -48,9 +50,10 @@ def test_a_second_run_into_the_same_directory_is_refused(docs_data, tmp_path):
     first = start(*args, env={"TRAIN_TEST_FAULT": "slow_step:0:2-5"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         wait_for_step(out, 2, first)
-        second = run([sys.executable, "train.py", *map(str, args), "--resume", "auto"], check=False)
-        assert_refused(second, 2, f"--output_dir {out} is in use by another train.py run (pid {first.pid} on ",
-                       f"kill -TERM {first.pid} on ")  # fmt: skip
+        for resume in (["--resume", "auto"], []):  # without --resume too: the holder, not "pass --resume auto"
+            second = run([sys.executable, "train.py", *map(str, args), *resume], check=False)
+            assert_refused(second, 2, f"--output_dir {out} is in use by another train.py run (pid {first.pid} on ",
+                           f"kill -TERM {first.pid} on ")  # fmt: skip
         output, _ = first.communicate(timeout=300)
     finally:
         first.kill()
@@ -78,10 +81,51 @@ def test_a_killed_runs_lock_is_taken_over(docs_data, tmp_path):
     assert f'"pid": {first.pid}' not in (out / ".lock").read_text()
     assert "changed from step_2: --lr 0.003 -> 0.0015, --step_timeout_s -1 -> 600.0" in proc.stdout
     changes = [r for r in metrics(out) if r.get("event") == "change"]
-    assert changes == [{"step": 2, "event": "change", "changed": {"lr": [3e-3, 1.5e-3], "step_timeout_s": [-1, 600]}}]
+    assert changes == [
+        {"step": 2, "event": "change", "setting": "lr", "from": 3e-3, "to": 1.5e-3},
+        {"step": 2, "event": "change", "setting": "step_timeout_s", "from": -1, "to": 600},
+    ]
+    kept, torn = run_metrics.read_metrics(out / "metrics.jsonl")  # what the next resume keeps of metrics.jsonl
+    assert torn == 0 and [r for r in kept if r.get("event") == "change"] == changes
     assert train_records(out)[3]["lr"] == pytest.approx(train.Schedule(1.5e-3, 2, 4, 0.1).lr(2), rel=1e-12)
     saved = json.loads((out / "checkpoints" / "step_4" / "trainer_state.json").read_text())["config"]
     assert (saved["lr"], saved["step_timeout_s"]) == (1.5e-3, 600)  # the next --resume auto keeps them
+
+
+@pytest.mark.parametrize("odd", ["symlink", "directory"])
+def test_a_lock_that_is_not_a_file_is_refused(odd, docs_data, tmp_path):
+    """OUT/.lock as a symlink to a file elsewhere (it would be truncated through the link) or as a directory: refused
+    in one line before anything is written, the link's target untouched."""
+    out, victim = tmp_path / "out", tmp_path / "victim.txt"
+    out.mkdir()
+    victim.write_text("precious")
+    (out / ".lock").symlink_to(victim) if odd == "symlink" else (out / ".lock").mkdir()
+    proc = run([sys.executable, "train.py", *RUN, "--max_steps", "2", "--data_dir", docs_data, "--output_dir", out],
+               check=False)  # fmt: skip
+    assert_refused(proc, 2, f"{out / '.lock'} is not a file train.py can lock", "move it away")
+    assert victim.read_text() == "precious" and sorted(p.name for p in out.iterdir()) == [".lock"]
+
+
+def test_a_console_write_into_a_hung_up_terminal_is_the_hangup(tmp_path):
+    """The launcher passes SIGHUP on a moment after the terminal goes: a write in between fails with EIO (a real
+    hung-up pseudo-terminal here) and must move the console to the file and go on, not end the run."""
+    master, terminal = pty.openpty()
+    stream = os.fdopen(os.dup(terminal), "w", buffering=1)
+    os.close(master)  # the terminal is gone: writes to it fail with EIO
+    log = tmp_path / "console.txt"
+    hangups = []
+
+    def on_hangup():
+        hangups.append(True)
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(fd, stream.fileno())
+        os.close(fd)
+
+    safe = resilience._HangupSafe(stream, on_hangup)
+    safe.write("step 3/30 | loss 5.0\n")
+    safe.flush()
+    assert hangups == [True] and log.read_text() == "step 3/30 | loss 5.0\n"
+    os.close(terminal)
 
 
 def test_a_closed_terminal_saves_and_stops_like_sigterm(docs_data, tmp_path):

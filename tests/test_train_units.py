@@ -260,12 +260,12 @@ def test_trackers_are_checked_before_the_run_starts():
     import importlib.util
 
     with pytest.raises(UserError, match="--log_with 'bogus': name one or more of .*tensorboard"):
-        plan.check_trackers("tensorboard,bogus")
-    plan.check_trackers("tensorboard")  # in requirements.txt
+        metrics.check_trackers("tensorboard,bogus")
+    metrics.check_trackers("tensorboard")  # in requirements.txt
     missing = next((n for n in ("wandb", "mlflow", "aim", "swanlab") if importlib.util.find_spec(n) is None), None)
     if missing is not None:
         with pytest.raises(UserError, match=f"the {missing} package is not installed; pip install {missing}"):
-            plan.check_trackers(f"tensorboard, {missing}")
+            metrics.check_trackers(f"tensorboard, {missing}")
 
 
 def test_init_from_a_run_directory_names_its_final_model(tmp_path):
@@ -273,3 +273,10 @@ def test_init_from_a_run_directory_names_its_final_model(tmp_path):
     (tmp_path / "config.json").write_text('{"written_by": "train.py"}')  # train.py's settings, not a model's
     with pytest.raises(UserError, match=f"is a train.py run directory; pass .* --init_from {tmp_path / 'final'} "):
         models.check_init_from(str(tmp_path), None, 0)
+
+
+@pytest.mark.parametrize("flag", ["max_grad_norm", "max_skipped_steps"])
+def test_a_negative_clip_or_skip_limit_is_refused(flag):
+    """A negative --max_grad_norm flipped every gradient's sign (clip_grad_norm_ scales by max_norm / norm)."""
+    with pytest.raises(UserError, match=f"--{flag} -1 must not be negative"):
+        train.check_flags(train.Config(**{flag: -1}))
