@@ -512,8 +512,12 @@ def main(argv: list[str] | None = None) -> int:
     print_report(report)
     if cfg.output_json:
         path = Path(cfg.output_json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, report)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(path, report)
+        except OSError as e:  # a disk that filled up during the evaluation: the report is on the console above
+            cli.print_error(f"--output_json {path}: {e.strerror or e}; the report above was not saved: free space")
+            return 3
         print(f"wrote {path}")
     return 0
 

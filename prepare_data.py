@@ -40,6 +40,7 @@ import json
 import resource
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -192,7 +193,15 @@ def validate(cfg: Config) -> None:
         raise UserError(f"--checkpoint_mb {cfg.checkpoint_mb} must be at least 1")
     if not cfg.doc_separator:
         raise UserError("--doc_separator is empty; use file, blank_line or a literal string such as '<|endoftext|>'")
-    existing_output(Path(cfg.output_dir).expanduser().resolve())
+    out_dir = Path(cfg.output_dir).expanduser().resolve()
+    existing_output(out_dir)
+    probe = next(p for p in (out_dir, *out_dir.parents) if p.exists())
+    try:  # a real write answers for permissions and read-only mounts alike, before any input is read
+        tempfile.TemporaryFile(dir=probe if probe.is_dir() else probe.parent).close()
+    except OSError as e:
+        raise UserError(
+            f"--output_dir {out_dir}: cannot write in {probe} ({e.strerror}); choose a writable one"
+        ) from None
     if parse_bpe_spec(cfg.tokenizer) is None and not Path(cfg.tokenizer).expanduser().is_dir():
         reason = corpora.hub_unreachable_reason()  # offline mode: the cache is asked when the tokenizer loads
         if reason:

@@ -131,9 +131,9 @@ def lock_run_dir(accelerator, out: Path) -> None:
         try:  # never through a symlink: the lock file is the only one written before OUT is known to be a run's
             fd = os.open(out / checkpoint.LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as e:
-            raise UserError(
-                f"{out / checkpoint.LOCK} is not a file train.py can lock ({e.strerror}); move it away"
-            ) from None
+            if e.errno in (errno.ELOOP, errno.EISDIR):
+                raise UserError(f"{out / checkpoint.LOCK} is not a file train.py can lock ({e.strerror}); move it away")
+            raise UserError(f"--output_dir {out}: cannot write its lock file ({e.strerror}); choose a writable one")
         handle = os.fdopen(fd, "r+")
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)

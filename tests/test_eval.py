@@ -212,6 +212,21 @@ def test_offline_mode_refuses_every_hub_choice_in_one_line(variable, small_model
         assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
+def test_a_report_the_disk_refuses_is_one_line(small_model, tmp_path):
+    """Issue #35: the disk fills up during the evaluation (a 200-byte file size limit here): the report is printed,
+    then one `error:` line says it was not saved, exit 3, no traceback."""
+    import resource
+
+    (tmp_path / "ok.txt").write_text("Some text.\n\nMore text.\n")
+    out = tmp_path / "report.json"
+    proc = run(EVAL + ["--model", str(small_model), "--dataset", str(tmp_path / "ok.txt"), "--output_json", str(out)],
+               check=False, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (200, 200)))  # fmt: skip
+    assert proc.returncode == 3 and "bits_per_byte" in proc.stdout, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: --output_json {out}: File too large; the report above was not saved: free space"]
+    assert "Traceback" not in proc.stderr and not out.exists()
+
+
 @needs_wikitext
 def test_wikitext_test_split_end_to_end(trained, tmp_path):
     out = tmp_path / "wt2.json"

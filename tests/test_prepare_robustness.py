@@ -495,3 +495,19 @@ def test_a_small_source_that_would_be_refused_is_refused_before_anything_is_toke
         assert status == 2 and len(errors) == 1 and str(second) in errors[0] and message in errors[0], stderr
         assert "checkpoint:" not in stdout + stderr and "tokens written" not in stdout + stderr, stdout
         assert sorted(p.name for p in tmp_path.iterdir()) == ["big.txt", "empty.txt", "twenty.txt"]
+
+
+def test_a_read_only_output_directory_is_refused_before_any_input_is_read(tmp_path, capsys):
+    """Issue #35: --output_dir on a read-only filesystem (a tmpfs mounted read-only; root ignores permission bits):
+    exit 2 in one line, before the inputs are hashed, not an OSError once tokenizing has begun."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(ro)], capture_output=True).returncode:
+        pytest.skip("cannot mount a read-only tmpfs here (not root, or no mount permission)")
+    try:
+        status, stdout, stderr = prepare(["--dataset", "python-docs", "--output_dir", ro / "data"], capsys)
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+    assert status == 2, stderr
+    assert stderr.strip() == f"error: --output_dir {ro / 'data'}: cannot write in {ro} (Read-only file system); " \
+                             "choose a writable one"  # fmt: skip
