@@ -125,15 +125,19 @@ def lock_run_dir(accelerator, out: Path) -> None:
     if _lock["launch"] is None:
         info = f"{socket.gethostname()}:{os.getpid()}:{os.urandom(6).hex()}"
         _lock["launch"] = broadcast_object_list([info])[0]
-    launch, locked_by_other = _lock["launch"], False
+    launch, locked_by_other, problem = _lock["launch"], False, ""
     ours = out.is_dir() and (checkpoint.is_train_run(out) or all(p.name == checkpoint.LOCK for p in out.iterdir()))
+    fd = None
     if accelerator.is_local_main_process and _lock["file"] is None and ours:  # else check_output_dir refuses OUT
         try:  # never through a symlink: the lock file is the only one written before OUT is known to be a run's
             fd = os.open(out / checkpoint.LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as e:
-            if e.errno in (errno.ELOOP, errno.EISDIR):
-                raise UserError(f"{out / checkpoint.LOCK} is not a file train.py can lock ({e.strerror}); move it away")
-            raise UserError(f"--output_dir {out}: cannot write its lock file ({e.strerror}); choose a writable one")
+            problem = (
+                f"{out / checkpoint.LOCK} is not a file train.py can lock ({e.strerror}); move it away"
+                if e.errno in (errno.ELOOP, errno.EISDIR)
+                else f"--output_dir {out}: cannot write its lock file ({e.strerror}); choose a writable one"
+            )
+    if fd is not None:
         handle = os.fdopen(fd, "r+")
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -147,7 +151,6 @@ def lock_run_dir(accelerator, out: Path) -> None:
             handle.close()
             locked_by_other = True
     accelerator.wait_for_everyone()  # every holder has written its launch id
-    problem = ""
     if locked_by_other:
         try:
             holder = json.loads((out / checkpoint.LOCK).read_text())
