@@ -53,23 +53,11 @@ def given_fields(config_class, argv: list[str]) -> set[str]:
 
 
 # accelerate launch's own flags (spelled with _ here; it takes - too), often put after the script by mistake
-LAUNCHER_FLAGS = (
-    "--config_file",
-    "--num_processes",
-    "--num_machines",
-    "--machine_rank",
-    "--main_process_ip",
-    "--main_process_port",
-    "--mixed_precision",
-    "--use_deepspeed",
-    "--zero_stage",
-    "--gpu_ids",
-    "--cpu",
-    "--multi_gpu",
-    "--deepspeed_config_file",
-    "--num_cpu_threads_per_process",
-    "--max_restarts",
-)
+# fmt: off
+LAUNCHER_FLAGS = ("--config_file", "--num_processes", "--num_machines", "--machine_rank", "--main_process_ip",
+                  "--main_process_port", "--mixed_precision", "--use_deepspeed", "--zero_stage", "--gpu_ids", "--cpu",
+                  "--multi_gpu", "--deepspeed_config_file", "--num_cpu_threads_per_process", "--max_restarts")
+# fmt: on
 
 
 class _BadCommandLine(Exception):

@@ -195,7 +195,7 @@ def validate(cfg: Config) -> None:
         raise UserError("--doc_separator is empty; use file, blank_line or a literal string such as '<|endoftext|>'")
     out_dir = Path(cfg.output_dir).expanduser().resolve()
     existing_output(out_dir)
-    probe = next(p for p in (out_dir, *out_dir.parents) if p.exists())
+    probe = nearest_existing(out_dir)
     try:  # a real write answers for permissions and read-only mounts alike, before any input is read
         tempfile.TemporaryFile(dir=probe if probe.is_dir() else probe.parent).close()
     except OSError as e:
@@ -212,6 +212,11 @@ def validate(cfg: Config) -> None:
     for spec in cfg.dataset:
         if spec not in corpora.HUB_PRESETS and spec not in corpora.BUILTIN_SOURCES:
             corpora.resolve_local_files(spec, own_dirs(Path(cfg.output_dir).expanduser().resolve()))
+
+
+def nearest_existing(path: Path) -> Path:
+    """path, or the nearest of its parents that exists: where the output directory will be created."""
+    return next(p for p in (path, *path.parents) if p.exists())
 
 
 def own_dirs(out_dir: Path) -> tuple[Path, Path]:
@@ -534,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     except OSError as e:  # a full or read-only disk, a file size limit (prepare has said where the partial output is)
         out_dir = Path(cfg.output_dir).expanduser().resolve()
-        probe = next(p for p in (out_dir, *out_dir.parents) if p.exists())
+        probe = nearest_existing(out_dir)
         where = e.filename or f"a file under {own_dirs(out_dir)[1]}"
         why = e.strerror or f"{e}, a short write: a full disk or a file size limit"
         cli.print_error(
