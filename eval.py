@@ -41,14 +41,13 @@ from pathlib import Path
 
 import torch
 
-import cli
-import corpora
-import documents
-import harness_tasks
-import models
-import run_model
-from cli import UserError, field, write_json_atomic
-from lmloss import make_windows, score_windows
+from deepseek_zero3 import cli
+from deepseek_zero3.cli import UserError, field, write_json_atomic
+from deepseek_zero3.data import corpora, documents
+from deepseek_zero3.evaluation import harness_tasks
+from deepseek_zero3.model import models
+from deepseek_zero3.model.lmloss import make_windows, score_windows
+from deepseek_zero3.run_dir import run_model
 
 
 # fmt: off

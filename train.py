@@ -12,9 +12,9 @@ Precision and gradient accumulation come from the accelerate config alone; every
 Outputs in OUT: metrics.jsonl, checkpoints/step_N/ (+ checkpoints/latest), final/ (a Hugging Face model
 directory) and loss_curve.png. A restart with `--resume auto` continues exactly where the last checkpoint was.
 
-Read top to bottom: Config; what a forker edits first (LR schedule, optimizer, data order, loss); setup in three
-phases (check, resume, build); the loop and the step (`train`). Beside it: plan.py (launch, batch plan, memory and
-time), models.py (model configs), checkpoint.py (the run directory), metrics.py, token_data.py, lmloss.py.
+Read top to bottom: Config; what a forker edits first (LR schedule, optimizer, data order, loss); setup in four
+phases (check, resume, plan, build); the loop and the step (`train`). The library it calls is the deepseek_zero3
+package, a folder per concern (README, "Where to change what"): the planner is one call, plan.plan_run.
 """
 
 from __future__ import annotations
@@ -30,17 +30,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import checkpoint
-import cli
-import costs
-import metrics
-import models
-import moe
-import plan
-import resilience
-import token_data
-from cli import UserError, field
-from lmloss import DEFAULT_CHUNK_TOKENS, loss_path, model_nll, validation_loss
+from deepseek_zero3 import cli, distributed
+from deepseek_zero3.cli import UserError, field
+from deepseek_zero3.model import models, moe
+from deepseek_zero3.model.lmloss import DEFAULT_CHUNK_TOKENS, loss_path, model_nll, validation_loss
+from deepseek_zero3.planning import plan
+from deepseek_zero3.run_dir import checkpoint, metrics, resilience
+from deepseek_zero3.tokens import token_data
 
 # DeepSpeed calls collectives that torch renamed; the warning repeats every step and says nothing to a user.
 warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
@@ -156,7 +152,7 @@ def make_optimizer(model, cfg: Config):
     return optimizer
 
 
-def sample_ids(step: int, micro_step: int, rank: int, batch: plan.BatchPlan) -> range:
+def sample_ids(step: int, micro_step: int, rank: int, batch: token_data.BatchPlan) -> range:
     """Global sample numbers of one micro-batch: an optimizer step takes the next `sequences_per_step` samples, laid
     out micro-step-major, so the set a step trains on depends only on the global batch, not on how it is split."""
     start = step * batch.sequences_per_step + (micro_step * batch.world_size + rank) * batch.micro_batch_size
@@ -190,11 +186,10 @@ class Run:
     data: token_data.TrainingData
     tokenizer: object  # the data's; saved with the final model
     model_config: object
-    launch: plan.Launch
-    batch: plan.BatchPlan
+    launch: distributed.Launch
+    batch: token_data.BatchPlan
     total_steps: int
     schedule: Schedule
-    flops_per_token: float
     resume: checkpoint.Resume | None
 
     def identity(self) -> dict:
@@ -274,12 +269,11 @@ def check(cfg: Config, given: set[str], accelerator) -> Run:
         if cfg.init_from and resume is None:
             models.check_init_from(cfg.init_from, tokenizer, data.meta["eos_id"])
         model_config = models.load_model_config(cfg.model_config, cfg.init_from, cfg.seq_len, data.meta)
-    launch = plan.live_launch(accelerator)
-    batch = plan.BatchPlan(cfg.micro_batch_size, launch.grad_accum_steps, launch.world_size, cfg.seq_len)
-    total_steps = plan.total_steps_for(cfg.max_steps, cfg.num_epochs, data.n_windows, batch.sequences_per_step)
-    flops_per_token = plan.model_flops_per_token(model_config, cfg.seq_len)
+    launch = distributed.live_launch(accelerator)
+    batch = token_data.BatchPlan(cfg.micro_batch_size, launch.grad_accum_steps, launch.world_size, cfg.seq_len)
+    total_steps = token_data.total_steps_for(cfg.max_steps, cfg.num_epochs, data.n_windows, batch.sequences_per_step)
     schedule = schedule_for(cfg, total_steps)
-    return Run(cfg, data, tokenizer, model_config, launch, batch, total_steps, schedule, flops_per_token, resume)
+    return Run(cfg, data, tokenizer, model_config, launch, batch, total_steps, schedule, resume)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -337,7 +331,7 @@ class Parts:
     model: object  # prepared: the DeepSpeed engine under DeepSpeed
     optimizer: object
     balancer: moe.LoadBalancer | None  # None for a dense model
-    peak_flops: float  # what MFU is measured against
+    planned: plan.RunPlan  # what MFU is measured against, among others
     finaliser: bool  # this process finalises checkpoints on its filesystem
     watchdog: resilience.Watchdog
     skips: resilience.Skips | None = None
@@ -381,28 +375,20 @@ def build_model(run: Run, accelerator):
 
 
 def setup(cfg: Config, given: set[str]) -> tuple[Run, Parts]:
-    """Check, resume, build: nothing is written to OUT before the first two phases have passed on every process."""
+    """Check, resume, plan, build: nothing is written to OUT before the first three phases have passed on every
+    process."""
     watchdog = resilience.Watchdog(cfg.output_dir, cfg.step_timeout_s)  # a hang while starting ends the attempt too
     metrics.check_trackers(cfg.log_with)
-    accelerator = plan.start_accelerator(cfg.log_with, cfg.output_dir)
+    accelerator = distributed.start_accelerator(cfg.log_with, cfg.output_dir)
     run = check(cfg, given, accelerator)
     if run.cfg.step_timeout_s != cfg.step_timeout_s:  # a resumed run's own limit, or the one this resume changed
         watchdog.set_timeout(run.cfg.step_timeout_s)
     replanned = check_resume(run, given) if run.resume is not None else None
     if replanned:
         accelerator.print(replanned)
-    cfg, batch, launch = run.cfg, run.batch, run.launch
-    accelerator.gradient_accumulation_steps = launch.grad_accum_steps  # a DeepSpeed JSON may be what sets it
-    threads = f", torch threads per process: {torch.get_num_threads()}" if accelerator.device.type == "cpu" else ""
-    accelerator.print(
-        f"batch plan: {batch.micro_batch_size} micro x {launch.grad_accum_steps} accumulation x "
-        f"{launch.world_size} processes = {batch.sequences_per_step} sequences = {batch.tokens_per_step:,} tokens "
-        f"per step; {run.total_steps} steps ({run.total_steps * batch.sequences_per_step / run.data.n_windows:.2f} "
-        f"epochs of {run.data.n_windows:,} windows); {accelerator.distributed_type.value}, {launch.precision}, "
-        f"on {accelerator.device.type}{threads}"
-    )
-    peak_flops, peak_source = plan.measure_peak_flops(accelerator, launch.precision)
-    costs.check_fits(run, accelerator, peak_flops, plan.measure_links(accelerator))
+    cfg = run.cfg
+    accelerator.gradient_accumulation_steps = run.launch.grad_accum_steps  # a DeepSpeed JSON may be what sets it
+    planned = plan.plan_run(run, accelerator)
 
     # Past every check: from here on the run writes to OUT, starting with the marker that makes it ours.
     out, ckpt_root = Path(cfg.output_dir), Path(cfg.output_dir) / "checkpoints"
@@ -415,20 +401,20 @@ def setup(cfg: Config, given: set[str]) -> tuple[Run, Parts]:
         if removed:
             print(f"removed what earlier runs left unfinished in {ckpt_root}: {', '.join(removed)}")
     accelerator.wait_for_everyone()
-    mem_before_model_gib = plan.peak_memory_gib(accelerator.device)  # the baseline the plan's estimate adds to
+    mem_before_model_gib = metrics.peak_memory_gib(accelerator.device)  # the baseline the plan's estimate adds to
     model, optimizer, balancer, n_params = build_model(run, accelerator)
-    counts = plan.param_counts(run.model_config)
-    activated = f", {counts['activated'] / 1e6:.2f}M activated per token" if plan.is_moe(run.model_config) else ""
+    counts = planned.counts
+    activated = f", {counts['activated'] / 1e6:.2f}M activated per token" if balancer else ""
     accelerator.print(
         f"model: {n_params / 1e6:.2f}M parameters ({counts['non_embedding'] / 1e6:.2f}M non-embedding{activated}), "
-        f"{run.flops_per_token / 1e6:.1f} MFLOP/token; peak {peak_flops / 1e12:.2f} TFLOP/s ({peak_source})"
-        f"; loss: {loss_path(cfg.loss_chunk_tokens, accelerator.device)}"
+        f"{planned.flops_per_token / 1e6:.1f} MFLOP/token; peak {planned.peak_flops / 1e12:.2f} TFLOP/s "
+        f"({planned.peak_source}); loss: {loss_path(cfg.loss_chunk_tokens, accelerator.device)}"
     )
-    parts = Parts(accelerator, model, optimizer, balancer, peak_flops, finaliser, watchdog)
+    parts = Parts(accelerator, model, optimizer, balancer, planned, finaliser, watchdog)
     if run.resume is not None:
         checkpoint.load_checkpoint(run, parts)
     resumed = run.resume.state if run.resume else None
-    parts.skips = resilience.Skips(parts, resumed, cfg.max_skipped_steps, launch.precision)
+    parts.skips = resilience.Skips(parts, resumed, cfg.max_skipped_steps, run.launch.precision)
     checkpoint.start_outputs(run, accelerator, mem_before_model_gib)
     return run, parts
 
@@ -569,7 +555,7 @@ def run_plan(cfg: Config) -> int:
     try:
         check_flags(cfg)
         meta = token_data.read_meta(cfg.data_dir) if (Path(cfg.data_dir) / "meta.json").is_file() else None
-        costs.print_plan(cfg, models.load_model_config(cfg.model_config, cfg.init_from, cfg.seq_len, meta))
+        plan.print_plan(cfg, models.load_model_config(cfg.model_config, cfg.init_from, cfg.seq_len, meta))
     except (OSError, KeyError, UserError) as e:
         cli.print_error(str(e))
         return 2

@@ -101,6 +101,7 @@ def main():
 if __name__ == "__main__":
     main()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from cli import exit_process  # the one addition to a bare loop: leave without the gloo teardown crash
+    # the one addition to a bare loop: leave without the gloo teardown crash
+    from deepseek_zero3.cli import exit_process
 
     exit_process(0)

@@ -60,10 +60,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
     args = ap.parse_args()
-    import costs
-    import lmloss
-    import models
-    import plan
+    from deepseek_zero3 import distributed
+    from deepseek_zero3.model import lmloss, models
+    from deepseek_zero3.planning import costs
 
     chunks = [int(c) for c in args.chunks.split(",")] if args.chunks else [lmloss.DEFAULT_CHUNK_TOKENS]
     paths = chunks + [0]
@@ -82,7 +81,7 @@ def main():
     full_extra = rounds[0][0]["peak_rss_gib"] - baseline[0]["peak_rss_gib"]
     mc = models.load_model_config("tiny", "", 512, meta)
 
-    one = plan.Launch(1, 1, "fp32", 1, "none", False, False, 3)  # the runs: one process, ZeRO-3, fp32
+    one = distributed.Launch(1, 1, "fp32", 1, "none", False, False, 3)  # the runs: one process, ZeRO-3, fp32
 
     def predicted_extra_gib(chunk: int) -> float:  # the planner's count: activations and loss, seq 512 over seq 32
         at = [costs.memory_plan(mc, one, 8, s, False, "sdpa", chunk)["gpu_total"] for s in (512, 32)]

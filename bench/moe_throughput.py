@@ -5,8 +5,8 @@
 Both train through `accelerate launch` with the ZeRO-3 CPU config on --processes processes, the same data, sequence
 length and global batch, in alternation --rounds times; steady-state tokens/s skips the first log interval, and the
 median of the rounds counts. The dense side is the --dense Llama preset with its intermediate_size set so its
-training FLOPs per token (plan.model_flops_per_token) equal the MoE preset's, which counts only the experts a token
-goes to. Target: the MoE at least 0.6 of the dense model's tokens/s.
+training FLOPs per token (model_math.model_flops_per_token) equal the MoE preset's, which counts only the experts a
+token goes to. Target: the MoE at least 0.6 of the dense model's tokens/s.
 
 Where the MoE's time goes: one process, no ZeRO, forward + backward steps of the MoE preset; forward hooks time the
 routers, the routed experts and the attention, as shares of the forward, and the forward's share of the step.
@@ -22,20 +22,20 @@ from pathlib import Path
 import torch
 from common import free_port, prepare_docs, record, train_py_rate
 
-import models
-import plan
-import token_data
+from deepseek_zero3.model import models
+from deepseek_zero3.planning import model_math
+from deepseek_zero3.tokens import token_data
 
 
 def dense_twin(moe_config, dense_preset: str, seq_len: int, meta: dict, out: Path) -> tuple[Path, float, float]:
     """A config.json of the dense preset whose FLOPs per token equal the MoE's: (path, MoE FLOPs, dense FLOPs)."""
     dense = models.load_model_config(dense_preset, "", seq_len, meta)
-    target = plan.model_flops_per_token(moe_config, seq_len)
+    target = model_math.model_flops_per_token(moe_config, seq_len)
     per_unit = 6 * 3 * dense.hidden_size * dense.num_hidden_layers  # FLOPs per token per unit of intermediate_size
-    dense.intermediate_size += round((target - plan.model_flops_per_token(dense, seq_len)) / per_unit)
+    dense.intermediate_size += round((target - model_math.model_flops_per_token(dense, seq_len)) / per_unit)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps({"model_type": dense.model_type, **dense.to_diff_dict()}, indent=2))
-    return out / "config.json", target, plan.model_flops_per_token(dense, seq_len)
+    return out / "config.json", target, model_math.model_flops_per_token(dense, seq_len)
 
 
 def where_time_goes(moe_config, seq_len: int, batch: int, steps: int = 3) -> dict:
@@ -88,9 +88,9 @@ def main():
         meta = token_data.read_meta(data)
         moe_config = models.load_model_config(args.moe, "", args.seq_len, meta)
         dense_path, moe_flops, dense_flops = dense_twin(moe_config, args.dense, args.seq_len, meta, tmp / "dense")
-        models = {"moe": args.moe, "dense": str(dense_path)}
+        presets = {"moe": args.moe, "dense": str(dense_path)}
         for r in range(args.rounds):
-            for name, model_config in models.items():
+            for name, model_config in presets.items():
                 port = str(free_port())
                 launcher = ["accelerate", "launch", "--config_file", "accelerate_configs/zero3_cpu.yaml",
                             "--num_processes", str(args.processes), "--main_process_port", port]  # fmt: skip
@@ -99,7 +99,7 @@ def main():
                 rates[name].append(result["tokens_per_s"])
         profile_share = where_time_goes(moe_config, args.seq_len, args.batch)
         dense_width = json.loads(dense_path.read_text())["intermediate_size"]
-    counts = plan.param_counts(moe_config)
+    counts = model_math.param_counts(moe_config)
     moe, dense = statistics.median(rates["moe"]), statistics.median(rates["dense"])
     record("moe_throughput", {
         "moe_preset": args.moe, "moe_parameters": counts["total"], "moe_activated_parameters": counts["activated"],

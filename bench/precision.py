@@ -8,7 +8,7 @@ A precision the CPU lacks is left out and the row says why (fp16: oneDNN without
 bf16: no AMX/AVX512-BF16, where it runs ~100x slower than fp32). Steady-state tokens/s skips the first log interval;
 the final validation loss is the run's last (the same 4,096 tokens in every precision). Beside them: the peak the run
 measured (a 1024x1024 matmul in the run's dtype, what MFU is reported against), the compute rate the plan measured on
-the model itself (plan.measure_model_rate) and the tokens/s the plan line predicted from it, over the measured.
+the model itself (measure.measure_model_rate) and the tokens/s the plan line predicted from it, over the measured.
 """
 
 import argparse

@@ -25,11 +25,11 @@ from types import SimpleNamespace
 
 from common import add_zero3_vs_ddp_args, free_port, prepare_docs, record, train_py_rate
 
-import costs
-import models
-import plan
-import token_data
-from lmloss import DEFAULT_CHUNK_TOKENS
+from deepseek_zero3 import distributed
+from deepseek_zero3.model import models
+from deepseek_zero3.model.lmloss import DEFAULT_CHUNK_TOKENS
+from deepseek_zero3.planning import costs
+from deepseek_zero3.tokens import token_data
 
 
 def launchers(accum: int) -> dict:
@@ -84,10 +84,10 @@ def main():
     links = {k: statistics.median(r["links"][k] for r in seen) for k in seen[0]["links"]}
     peak = statistics.median(r["peak_tflops"] for r in seen) * 1e12 / 2
     rate = statistics.median(r["planned_compute_tflops"] for r in seen) * 1e12  # the runs' own, measured on the model
-    launch = plan.Launch(2, 1, "fp32", args.accum, "none", False, False, 3)
+    launch = distributed.Launch(2, 1, "fp32", args.accum, "none", False, False, 3)
     machine = dataclasses.replace(costs.machine_for(cfg, launch, peak, links, model_rate=rate), host_memory_gib=1e6)
     for name, stage in (("ddp", 0), ("zero2", 2), ("zero3", 3)):
-        launch = plan.Launch(2, 1, "fp32", args.accum, "none", False, False, stage)
+        launch = distributed.Launch(2, 1, "fp32", args.accum, "none", False, False, stage)
         planned[name] = [costs.step_costs(mc, cfg, launch, args.batch, machine, 0)["tokens_per_s"]] * args.rounds
     result = {"model_config": args.model_config, "processes": 2, "micro_batch_size": args.batch,
               "seq_len": args.seq_len, "accum": args.accum, "measured_gb_s_medians": links,

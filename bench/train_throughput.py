@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from common import free_port, prepare_docs, record, sh, train_py_rate
 
-import models
-import plan
-import token_data
+from deepseek_zero3.model import models
+from deepseek_zero3.planning import model_math
+from deepseek_zero3.tokens import token_data
 
 
 def bare_loop(data_dir: Path, model_config: str, seq_len: int, batch: int, steps: int) -> float:
@@ -102,8 +102,8 @@ def main():
         )
         peak_after = matmul_peak()
     c = models.load_model_config(args.model_config, "", args.seq_len, {"vocab_size": 8192, "eos_id": 0})
-    counts = plan.llama_param_counts(c)
-    flops_tok = plan.flops_per_token(counts["non_embedding"], c.num_hidden_layers, c.hidden_size, args.seq_len)
+    counts = model_math.llama_param_counts(c)
+    flops_tok = model_math.flops_per_token(counts["non_embedding"], c.num_hidden_layers, c.hidden_size, args.seq_len)
     peak = max(peak, peak_after)
     record(
         "train_throughput",

@@ -45,8 +45,8 @@ import accelerate
 import numpy as np
 from common import REPO, free_port, machine, prepare_docs, record
 
-import models
-import token_data
+from deepseek_zero3.model import models
+from deepseek_zero3.tokens import token_data
 
 EXAMPLE = Path("examples") / "by_feature" / "deepspeed_with_config_support.py"
 MODEL, SEQ_LEN, MICRO_BATCH, PROCESSES = "mini", 128, 8, 3

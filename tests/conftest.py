@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# The unit tests import the scripts (train, eval, prepare_data) as modules, from the root, as Python runs them; with
+# the root first, this checkout's deepseek_zero3 is the one imported even where a venv's editable install is another's.
 sys.path.insert(0, str(REPO))
 # bench/common.py holds what tests and benchmarks share (the harness command, a synthetic web corpus): one copy.
 sys.path.append(str(REPO / "bench"))
@@ -183,7 +185,9 @@ def reloaded_model(final_dir, data_dir) -> dict:
     """OUT/final in a fresh process, as a user loads it: its class, its mean loss on the first 2048 validation tokens in
     32-token windows (what train.py's runs here log as val_loss), and the length of a greedy 4-token continuation."""
     script = f"""
-import sys; sys.path.insert(0, "."); import json, torch, numpy as np, token_data, lmloss
+import sys; sys.path.insert(0, "."); import json, torch, numpy as np
+from deepseek_zero3.tokens import token_data
+from deepseek_zero3.model import lmloss
 from transformers import AutoModelForCausalLM
 m = AutoModelForCausalLM.from_pretrained("{final_dir}").eval()
 tokens = token_data.load_split("{data_dir}", "validation")[: 2048 + 1]

@@ -9,14 +9,13 @@ import time
 
 import numpy as np
 import pytest
-
-import corpora
-import documents
-import prepare_data
-import token_data
-from cli import UserError
 from common import synthetic_web_documents
 from conftest import REPO, WIKITEXT2, needs_wikitext, run
+
+import prepare_data
+from deepseek_zero3.cli import UserError
+from deepseek_zero3.data import corpora, documents
+from deepseek_zero3.tokens import token_data
 
 PREPARE = [sys.executable, "prepare_data.py"]
 WIKI = " \n = Alpha = \n \n Alpha text . \n \n = = Section = = \n \n More alpha . \n \n = Beta = \n \n Beta text . \n"

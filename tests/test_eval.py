@@ -6,10 +6,10 @@ import sys
 
 import pytest
 import torch
+from conftest import WIKITEXT2, needs_wikitext, run
 
 import eval as ev
-import lmloss
-from conftest import WIKITEXT2, needs_wikitext, run
+from deepseek_zero3.model import lmloss
 
 EVAL = [sys.executable, "eval.py"]
 DOCS = [

@@ -206,7 +206,7 @@ def test_checkpoint_rotated_away_while_read(trained, docs_data, tmp_path, monkey
     err = capsys.readouterr().err
     assert f"error: --model {step} was removed while it was read: the run rotated it away" in err, err
     # Deleted after it was found complete and before its config was read (a review found that called unreadable).
-    import checkpoint
+    from deepseek_zero3.run_dir import checkpoint
 
     shutil.copytree(trained / "checkpoints", out / "checkpoints", dirs_exist_ok=True)
     read_config = checkpoint.read_model_config
@@ -254,8 +254,8 @@ def test_unknown_task_and_dataset_out_of_reach(trained, task_dir, tmp_path, caps
 def test_what_counts_as_a_checkpoint(tmp_path):
     """A directory named like a checkpoint (checkpoints/step_N) but holding a Hugging Face model is a model; without
     one it is a checkpoint that died before its trainer_state.json, and refused."""
-    import run_model
-    from cli import UserError
+    from deepseek_zero3.cli import UserError
+    from deepseek_zero3.run_dir import run_model
 
     step = tmp_path / "checkpoints" / "step_5"
     step.mkdir(parents=True)
@@ -269,7 +269,7 @@ def test_what_counts_as_a_checkpoint(tmp_path):
 def test_tokenizer_flag_is_the_tokenizer_of_a_checkpoint(trained, docs_data):
     """A run whose data directory moved can still be scored: --tokenizer names the tokenizer (a review found the
     flag ignored for checkpoints, the error's own advice not working)."""
-    import run_model
+    from deepseek_zero3.run_dir import run_model
 
     own = run_model.find_checkpoint(str(trained))
     assert own.tokenizer_dir == docs_data / "tokenizer"

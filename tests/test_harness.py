@@ -4,11 +4,11 @@ JSONL because the Hub is out of reach. Word perplexity, byte perplexity and bits
 
 import pytest
 import torch
-
-import documents
-import eval as ev
 from common import harness_command, read_harness_results, write_harness_wikitext_task
 from conftest import WIKITEXT2, needs_wikitext, run
+
+import eval as ev
+from deepseek_zero3.data import documents
 
 
 def test_harness_pages_split_at_titles_and_drop_the_newline():

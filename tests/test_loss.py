@@ -11,11 +11,10 @@ import torch
 import torch.nn.functional as F
 from conftest import REPO, launch_cmd, run
 
-import lmloss
-import models
-import costs
-import plan
 import train
+from deepseek_zero3 import distributed
+from deepseek_zero3.model import lmloss, models
+from deepseek_zero3.planning import costs
 
 VARIANTS = [("tiny", False), ("tiny", True), ("deepseek-v3-tiny", False)]
 
@@ -109,7 +108,7 @@ from accelerate.utils import InitProcessGroupKwargs
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.utils import safe_get_full_grad
 from transformers import DeepseekV3ForCausalLM, LlamaForCausalLM  # imported before zero.Init patches construction
-import lmloss
+from deepseek_zero3.model import lmloss
 from test_loss import VARIANTS, build
 
 
@@ -200,7 +199,7 @@ def test_planner_counts_the_loss_of_each_path_and_fits_a_larger_micro_batch(monk
     assert costs.loss_bytes(tokens, vocab, hidden, 4, 1024) == 1024 * vocab * 4 + vocab * hidden * 4 + tokens * 4
     assert costs.loss_bytes(tokens, vocab, hidden, 4, 1024) < 0.1 * costs.loss_bytes(tokens, vocab, hidden, 4, 0)
     monkeypatch.chdir(REPO)
-    launch = plan.read_launch("accelerate_configs/zero3_3gpu.yaml")
+    launch = distributed.read_launch("accelerate_configs/zero3_3gpu.yaml")
     c = models.load_model_config("deepseek-1.3b", "", 2048, None)
     reports = {}
     for chunk in (1024, 0):

@@ -9,8 +9,8 @@ import sys
 import pytest
 from conftest import run
 
-import models
-from cli import UserError
+from deepseek_zero3.cli import UserError
+from deepseek_zero3.model import models
 
 
 def preset(name: str) -> dict:

@@ -14,8 +14,8 @@ import pytest
 import torch
 from conftest import HALF, STEPS, metrics, reloaded_model, run, train_moe, train_records
 
-import models
-import plan
+from deepseek_zero3.model import models
+from deepseek_zero3.planning import model_math
 
 
 def biases(out_dir, name="final/model.safetensors") -> dict[str, torch.Tensor]:
@@ -30,23 +30,23 @@ def test_planner_counts_equal_the_built_models():
     for name in ("deepseek-v3-tiny", "deepseek-v3-mini"):
         c = models.load_model_config(name, "", 128, {"vocab_size": 4096, "eos_id": 0})
         model = AutoModelForCausalLM.from_config(c)
-        counts = plan.param_counts(c)
+        counts = model_math.param_counts(c)
         assert type(model).__name__ == "DeepseekV3ForCausalLM"
         assert counts["total"] == sum(p.numel() for p in model.parameters())
         assert counts["largest_tensor"] == max(p.numel() for p in model.parameters())
         assert counts["activated"] < counts["total"]
     # The published DeepSeek-V3: 671B parameters, 37B activated per token (the report's Table 1, without MTP).
-    v3 = plan.param_counts(models.load_model_config("deepseek-v3-671b", "", 4096, None))
+    v3 = model_math.param_counts(models.load_model_config("deepseek-v3-671b", "", 4096, None))
     assert v3["total"] / 1e9 == pytest.approx(671, abs=0.5) and v3["activated"] / 1e9 == pytest.approx(37.5, abs=0.5)
 
 
 def test_flops_count_activated_parameters_and_mla_widths():
     c = models.load_model_config("deepseek-v3-tiny", "", 32, {"vocab_size": 4096, "eos_id": 0})
-    counts = plan.param_counts(c)
+    counts = model_math.param_counts(c)
     attention = (
         c.num_hidden_layers * 32 * c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
     )
-    assert plan.model_flops_per_token(c, 32) == 6 * counts["activated_non_embedding"] + 6 * attention
+    assert model_math.model_flops_per_token(c, 32) == 6 * counts["activated_non_embedding"] + 6 * attention
 
 
 def test_plan_prints_total_and_activated_for_every_moe_preset(capsys):
@@ -139,9 +139,9 @@ def test_gradient_checkpointing_with_the_balance_loss():
     """The routers' hook builds the sequence-wise loss in the forward that gradient checkpointing recomputes too (a
     review found every MoE run with --gradient_checkpointing stopped by torch's CheckpointError at step 1): gradients
     and loads with checkpointing equal those without, exactly."""
-    import lmloss
-    import moe
     from transformers import AutoModelForCausalLM
+
+    from deepseek_zero3.model import lmloss, moe
 
     def step(checkpointing: bool):
         torch.manual_seed(0)

@@ -12,7 +12,6 @@ import os
 import subprocess
 
 import pytest
-
 from conftest import ACCELERATE, CPU_CONFIG, REPO, TINY, assert_processes, free_port, launch, run, train_records
 from test_train import assert_same_weights
 

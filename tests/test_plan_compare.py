@@ -11,16 +11,16 @@ import pytest
 import torch
 from conftest import REPO, TINY, launch_cmd, run
 
-import costs
-import models
-import plan
 import train
+from deepseek_zero3 import distributed
+from deepseek_zero3.model import models
+from deepseek_zero3.planning import costs, measure, model_math
 
 GIB = 2**30
 
 
 def gpu_launch(stage: int, offload: str = "none", params: bool = False, accum: int = 2, precision: str = "fp16"):
-    return plan.Launch(3, 1, precision, accum, offload, params, True, stage)
+    return distributed.Launch(3, 1, precision, accum, offload, params, True, stage)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def mini():
 
 def test_traffic_per_step_by_hand(mini):
     c, p = mini
-    counts = plan.param_counts(c)
+    counts = model_math.param_counts(c)
     assert counts["total"] == p
     ring = 2 / 3  # of each buffer, over 3 processes
     t = lambda launch, ckpt=False: costs.traffic(counts, launch, ckpt)
@@ -54,7 +54,7 @@ def test_traffic_per_step_by_hand(mini):
     assert t(gpu_launch(3, "cpu", True))["pcie"] == pytest.approx(3 * 2 * p / 3 + 2 * 2 * 2 * p / 3)
     # NVMe: master weights and Adam states (12 B) read and written once per step.
     assert t(gpu_launch(3, "nvme"))["nvme"] == pytest.approx(2 * 12 * p)
-    assert t(plan.Launch(1, 1, "fp16", 2, "none", False, True, 3))["link"] == 0
+    assert t(distributed.Launch(1, 1, "fp16", 2, "none", False, True, 3))["link"] == 0
 
 
 def test_memory_per_gpu_and_host_by_hand(mini):
@@ -155,9 +155,9 @@ def test_cpu_plan_on_paper_times_the_model(capsys, monkeypatch):
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("  step:"))
     assert float(re.search(r"compute at ([\d.e-]+) TFLOP/s per process \(measured on this model", line)[1]) > 0, line
     state = torch.get_rng_state()  # the timing leaves the run's random state alone
-    assert plan.measure_model_rate(models.load_model_config("tiny", "", 32, None), 2, 32, "fp32", "sdpa", 16) > 0
+    assert measure.measure_model_rate(models.load_model_config("tiny", "", 32, None), 2, 32, "fp32", "sdpa", 16) > 0
     assert torch.equal(state, torch.get_rng_state())
-    monkeypatch.setattr(plan, "MEASURED_COPY_MAX_PARAMS", 0)
+    monkeypatch.setattr(measure, "MEASURED_COPY_MAX_PARAMS", 0)
     assert train.run_plan(cfg) == 0
     assert "compute at 0.035 TFLOP/s per process (35% MFU of 0.1 TFLOP/s)" in capsys.readouterr().out
 
@@ -168,7 +168,7 @@ def test_timed_copies_keep_zero3_processes_in_step_at_every_layer(preset):
     backward ends: 3 x (1 + 2) x 2 waits, the forward's before the backward's."""
     calls = []
     c = models.load_model_config(preset, "", 32, None)
-    assert plan.measure_model_rate(c, 2, 32, "fp32", "sdpa", 16, sync=lambda: calls.append(torch.is_grad_enabled()))
+    assert measure.measure_model_rate(c, 2, 32, "fp32", "sdpa", 16, sync=lambda: calls.append(torch.is_grad_enabled()))
     assert calls == [True, False] * 3 + [True, True, False, False] * 3, calls  # grad mode is off in backward
 
 
@@ -187,7 +187,7 @@ def test_lock_step_never_hooks_a_list_of_experts():
 
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleList([Block(), Block()])
-    plan.lock_step(model, lambda: calls.append(1), 2)
+    measure.lock_step(model, lambda: calls.append(1), 2)
     x = torch.ones(1, 4, requires_grad=True)
     for block in model.layers:
         x = block(x)
@@ -196,21 +196,21 @@ def test_lock_step_never_hooks_a_list_of_experts():
     odd = torch.nn.Module()
     odd.experts = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
     odd.blocks_of_other_name = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
-    plan.lock_step(odd, lambda: calls.append(1), 2)
+    measure.lock_step(odd, lambda: calls.append(1), 2)
     odd.experts[0](torch.ones(1, 4))
     assert len(calls) == 4
 
 
 def test_paper_plan_gives_zero3_processes_beyond_the_cores_turns(monkeypatch):
     """3 processes on 2 cores in lock step take two turns per layer: half a core each; apart they share 2/3."""
-    monkeypatch.setattr(plan, "measure_model_rate", lambda *a, **k: 1.0)
-    monkeypatch.setattr(plan.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(measure, "measure_model_rate", lambda *a, **k: 1.0)
+    monkeypatch.setattr(measure.os, "sched_getaffinity", lambda pid: {0, 1})
     cfg = train.Config(data_dir="none")
-    launch = plan.read_launch(str(REPO / "accelerate_configs/zero3_cpu.yaml"))
+    launch = distributed.read_launch(str(REPO / "accelerate_configs/zero3_cpu.yaml"))
     assert (launch.world_size, launch.zero_stage) == (3, 3)
-    assert plan.paper_cpu_rate(cfg, None, launch) == 0.5
-    assert plan.paper_cpu_rate(cfg, None, dataclasses.replace(launch, zero_stage=2)) == pytest.approx(2 / 3)
-    assert plan.paper_cpu_rate(cfg, None, dataclasses.replace(launch, world_size=2)) == 1.0
+    assert measure.paper_cpu_rate(cfg, None, launch) == 0.5
+    assert measure.paper_cpu_rate(cfg, None, dataclasses.replace(launch, zero_stage=2)) == pytest.approx(2 / 3)
+    assert measure.paper_cpu_rate(cfg, None, dataclasses.replace(launch, world_size=2)) == 1.0
 
 
 def test_data_changed_on_the_link_stops_the_run_with_the_p2p_advice(docs_data, tmp_path):

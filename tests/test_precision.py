@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import TINY, assert_processes, launch_cmd, metrics, reloaded_model, run, train_records
 
 

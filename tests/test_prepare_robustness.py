@@ -17,11 +17,9 @@ import pytest
 from common import synthetic_web_documents
 from conftest import REPO, WIKITEXT2, run
 
-import corpora
-import documents
 import prepare_data
-import token_data
-import tokenizer_pool
+from deepseek_zero3.data import corpora, documents, tokenizer_pool
+from deepseek_zero3.tokens import token_data
 
 PREPARE = [sys.executable, "prepare_data.py"]
 

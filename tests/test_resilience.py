@@ -8,7 +8,6 @@ import time
 
 import pytest
 import torch
-
 from conftest import REPO, TINY, assert_processes, launch, launch_cmd, metrics, run, train_records
 
 
@@ -86,7 +85,7 @@ def test_killed_then_hung_rank_restarts_by_itself(ref_run, docs_data, tmp_path):
     attempt (before its checkpoint) and stopped (SIGSTOP) after step 8 of the second. The watchdog of the ranks still
     running dumps their stacks and ends the attempt; the launcher restarts all ranks each time, each restart resumes
     from the newest checkpoint, and the losses equal the straight run's. Seen to fail without
-    plan.join_restarted_process_group: the restarted workers die on the dead attempt's gloo addresses."""
+    distributed.join_restarted_process_group: the restarted workers die on the dead attempt's gloo addresses."""
     out = tmp_path / "heal"
     args = [*TINY, "--max_steps", "10", "--micro_batch_size", "2", "--save_every", "2", "--resume", "auto"]
     cmd = launch_cmd(3, *args, "--step_timeout_s", "6", "--data_dir", docs_data, "--output_dir", out,
@@ -132,7 +131,7 @@ def test_a_slow_step_is_not_a_hang(docs_data, tmp_path):
 def test_automatic_step_limit_comes_from_the_warm_steps(tmp_path, monkeypatch):
     """--step_timeout_s -1: 30 minutes until 8 whole steps past the first ones were timed, then 20x the slowest of
     them, at least 5 minutes; startup, validation and checkpoints get 10x. The clock is the test's."""
-    import resilience
+    from deepseek_zero3.run_dir import resilience
 
     now = [1000.0]
     monkeypatch.setattr(resilience.time, "monotonic", lambda: now[0])

@@ -275,7 +275,7 @@ def test_output_dir_that_is_a_file(docs_data, tmp_path):
 
 
 def test_metrics_reader_drops_a_torn_last_line(tmp_path):
-    import metrics
+    from deepseek_zero3.run_dir import metrics
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
@@ -286,7 +286,7 @@ def test_metrics_reader_drops_a_torn_last_line(tmp_path):
 
 
 def test_stray_names_in_checkpoints_are_never_parsed(tmp_path):
-    import checkpoint
+    from deepseek_zero3.run_dir import checkpoint
 
     for name in ("step_2", "step_10", "step_2.bak", "step_x", "abandoned-1", "step_3"):
         (tmp_path / name).mkdir()
@@ -391,7 +391,7 @@ def test_odd_output_directories_are_refused_in_one_line(done_run, docs_data, tmp
 
 
 def test_a_failed_metrics_write_names_the_file(done_run, tmp_path):
-    import metrics
+    from deepseek_zero3.run_dir import metrics
 
     """A full disk while appending to metrics.jsonl ends the run with the file named, exit 3, and the checkpoint it
     resumed from intact. Simulated with a file size limit just above metrics.jsonl, padded (with records of step 1,

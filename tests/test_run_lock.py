@@ -19,9 +19,9 @@ import pytest
 from conftest import REPO, TINY, launch_cmd, metrics, run, train_records
 from test_run_dir import assert_refused
 
-import metrics as run_metrics
-import resilience
 import train
+from deepseek_zero3.run_dir import metrics as run_metrics
+from deepseek_zero3.run_dir import resilience
 
 RUN = [*TINY, "--micro_batch_size", "2", "--save_every", "2"]
 

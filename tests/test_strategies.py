@@ -15,8 +15,8 @@ import torch
 import yaml
 from conftest import REPO, TINY, assert_processes, launch, launch_cmd, run, train_records
 
-import plan
 import train
+from deepseek_zero3 import distributed
 
 ZERO2 = "accelerate_configs/zero2_cpu.yaml"
 TEN = ["--max_steps", "10"]
@@ -149,5 +149,5 @@ def test_every_config_parses(name, monkeypatch):
     ds_file = (config.get("deepspeed_config") or {}).get("deepspeed_config_file")
     if ds_file:
         assert (REPO / ds_file).is_file(), ds_file
-    launch_record = plan.read_launch(str(Path("accelerate_configs") / name))
+    launch_record = distributed.read_launch(str(Path("accelerate_configs") / name))
     assert launch_record.world_size == config["num_processes"]

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import checkpoint
-from cli import UserError
 from conftest import REPO, TINY, launch, launch_cmd, metrics, reloaded_model, run, train_records
+
+from deepseek_zero3.cli import UserError
+from deepseek_zero3.run_dir import checkpoint
 
 STEPS = ["--max_steps", "10"]
 

@@ -7,16 +7,15 @@ import sys
 
 import pytest
 import torch
-
-import checkpoint
-import cli
-import costs
-import metrics
-import models
-import plan
-import train
-from cli import UserError
 from conftest import launch_cmd, run
+
+import train
+from deepseek_zero3 import cli, distributed
+from deepseek_zero3.cli import UserError
+from deepseek_zero3.model import models
+from deepseek_zero3.planning import costs, model_math
+from deepseek_zero3.run_dir import checkpoint, metrics
+from deepseek_zero3.tokens import token_data
 
 
 def test_lr_warmup_then_cosine_to_floor():
@@ -32,16 +31,16 @@ def test_lr_warmup_then_cosine_to_floor():
 
 
 def test_batch_plan_and_steps():
-    batch = plan.BatchPlan(4, 8, 3, 2048)
+    batch = token_data.BatchPlan(4, 8, 3, 2048)
     assert batch.sequences_per_step == 96 and batch.tokens_per_step == 96 * 2048
-    assert plan.total_steps_for(0, 1.0, 1000, 96) == math.ceil(1000 / 96)
-    assert plan.total_steps_for(50, 1.0, 1000, 96) == 50
+    assert token_data.total_steps_for(0, 1.0, 1000, 96) == math.ceil(1000 / 96)
+    assert token_data.total_steps_for(50, 1.0, 1000, 96) == 50
 
 
 def test_sample_layout_depends_only_on_global_batch():
-    three = plan.BatchPlan(2, 1, 3, 32)
-    one = plan.BatchPlan(6, 1, 1, 32)
-    accum = plan.BatchPlan(2, 3, 1, 32)
+    three = token_data.BatchPlan(2, 1, 3, 32)
+    one = token_data.BatchPlan(6, 1, 1, 32)
+    accum = token_data.BatchPlan(2, 3, 1, 32)
     for step in range(4):
         a = sorted(i for r in range(3) for i in train.sample_ids(step, 0, r, three))
         b = list(train.sample_ids(step, 0, 0, one))
@@ -52,8 +51,8 @@ def test_sample_layout_depends_only_on_global_batch():
 def test_flops_and_mfu():
     # DeepSeek 7B at 4096 tokens: 6 N + 12 L H T per token
     n = 6.9e9 - 102400 * 4096
-    assert plan.flops_per_token(n, 30, 4096, 4096) == pytest.approx(6 * n + 12 * 30 * 4096 * 4096)
-    assert plan.mfu(1000.0, 1e9, 4e12) == pytest.approx(0.25)
+    assert model_math.flops_per_token(n, 30, 4096, 4096) == pytest.approx(6 * n + 12 * 30 * 4096 * 4096)
+    assert model_math.mfu(1000.0, 1e9, 4e12) == pytest.approx(0.25)
 
 
 def test_round_up_vocab():
@@ -74,19 +73,19 @@ def test_param_count_matches_the_real_model():
 
     c = _config("mini")
     model = AutoModelForCausalLM.from_config(c)
-    counts = plan.llama_param_counts(c)
+    counts = model_math.llama_param_counts(c)
     assert counts["total"] == sum(p.numel() for p in model.parameters())
     assert counts["total"] - counts["non_embedding"] == model.get_input_embeddings().weight.numel()
-    assert _config("deepseek-7b") and plan.llama_param_counts(_config("deepseek-7b"))["total"] == pytest.approx(
+    assert _config("deepseek-7b") and model_math.llama_param_counts(_config("deepseek-7b"))["total"] == pytest.approx(
         6.91e9, rel=0.01
     )
 
 
 def test_memory_plan_agrees_with_deepspeed_estimator():
     c = _config("deepseek-7b")
-    counts = plan.llama_param_counts(c)
+    counts = model_math.llama_param_counts(c)
     # No offload: ours (16 B/param + the gathered largest tensor) vs DeepSpeed's (18 B/param + 4 B x largest).
-    zero3 = plan.Launch(3, 1, "fp16", 1, "none", False, True, 3)
+    zero3 = distributed.Launch(3, 1, "fp16", 1, "none", False, True, 3)
     ours = costs.memory_plan(c, zero3, 1, 2048, True, "sdpa")
     model_states = sum(
         ours["gpu"][k] for k in ("parameters", "gradients", "optimizer_states", "gathered_largest_tensor")
@@ -125,11 +124,12 @@ def test_plan_command_names_the_optimizer_offload_config():
 
 
 def test_gpu_peak_by_name_and_precision():
-    assert plan.gpu_peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989e12
-    assert plan.gpu_peak_flops("NVIDIA H100 PCIe", "fp16") == 756e12  # not the SXM figure
-    assert plan.gpu_peak_flops("NVIDIA GeForce RTX 4090", "fp16") == pytest.approx(165.2e12)
-    assert plan.gpu_peak_flops("NVIDIA GeForce RTX 4090", "fp32") is None  # fp32 is timed, not the 16-bit datasheet
-    assert plan.gpu_peak_flops("Some Future GPU", "bf16") is None
+    assert model_math.gpu_peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989e12
+    assert model_math.gpu_peak_flops("NVIDIA H100 PCIe", "fp16") == 756e12  # not the SXM figure
+    assert model_math.gpu_peak_flops("NVIDIA GeForce RTX 4090", "fp16") == pytest.approx(165.2e12)
+    # fp32 is timed, not the 16-bit datasheet
+    assert model_math.gpu_peak_flops("NVIDIA GeForce RTX 4090", "fp32") is None
+    assert model_math.gpu_peak_flops("Some Future GPU", "bf16") is None
 
 
 def test_fp16_loss_scale_with_and_without_a_scaler():

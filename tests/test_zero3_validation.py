@@ -17,7 +17,8 @@ import torch, torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
 from transformers import AutoConfig, AutoModelForCausalLM
-import lmloss, token_data
+from deepseek_zero3.model import lmloss
+from deepseek_zero3.tokens import token_data
 
 from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as Coordinator
 

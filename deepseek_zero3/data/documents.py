@@ -19,7 +19,7 @@ import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from cli import UserError
+from deepseek_zero3.cli import UserError
 
 TEXT_SUFFIXES = (".txt", ".raw", ".tokens")
 DATA_SUFFIXES = TEXT_SUFFIXES + (".jsonl", ".parquet")

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-import models
-from cli import UserError, fault, remove, replace_dir, write_atomic, write_json_atomic
-from metrics import append, read_metrics, truncate_metrics
+from deepseek_zero3.cli import UserError, fault, remove, replace_dir, write_atomic, write_json_atomic
+from deepseek_zero3.model import models
+from deepseek_zero3.run_dir.metrics import append, read_metrics, truncate_metrics
 
 # Settings that change what a run reports or where it reads and writes, not what it trains: free to change on resume.
 RESUME_CHANGEABLE = {

@@ -23,9 +23,9 @@ import sysconfig
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path, PurePosixPath
 
-import documents
-from cli import UserError
-from documents import DATA_SUFFIXES, TEXT_SUFFIXES, SourceStats
+from deepseek_zero3.data import documents
+from deepseek_zero3.cli import UserError
+from deepseek_zero3.data.documents import DATA_SUFFIXES, TEXT_SUFFIXES, SourceStats
 
 VALIDATION_FRACTION = 0.02  # prepare_data.py's default share of held-out documents
 SPLITS = ("train", "validation", "test")

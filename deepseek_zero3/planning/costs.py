@@ -16,7 +16,7 @@ The strategies, one accelerate config each (accelerate_configs/<file>, see STRAT
 A step's time is compute + GPU-link traffic + PCIe offload traffic + NVMe + host Adam, none assumed to overlap: an
 upper bound, and on PCIe without P2P the links are what overlaps least. Traffic is counted per process as a ring moves
 it: an all-gather or reduce-scatter of S bytes puts (n-1)/n S on each link, an all-reduce twice that, and a bandwidth is
-the all-reduce bus bandwidth (what nccl-tests calls busbw; plan.measure_links measures it on the real process group).
+the all-reduce bus bandwidth (what nccl-tests calls busbw; measure.measure_links measures it on the real process group).
 The strategies' own copies (buckets, flattening, gathers) and the optimizer step are counted as bytes through device
 memory (traffic), at the two copy rates a run measures. The recommendation is the fastest plan that fits, parameter
 offload only when nothing else does (see compare). Checked against measurement: bench/strategy_vs_plan.py.
@@ -27,11 +27,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import torch
-
-import plan
-from cli import UserError
-from plan import FIT_FRACTION, GIB, Launch, is_moe, param_counts
+from deepseek_zero3.distributed import Launch
+from deepseek_zero3.planning import measure, model_math
+from deepseek_zero3.planning.model_math import FIT_FRACTION, GIB, is_moe, model_flops_per_token, param_counts
 
 # The share of host RAM a plan may fill: the OS, the page cache the data is read through and the launcher need the rest.
 HOST_FIT_FRACTION = 0.9
@@ -130,7 +128,7 @@ def memory_plan(c, launch: Launch, micro_batch_size: int, seq_len: int, gradient
     param_b, grad_b, optim_b = (2, 2, 12) if half else (4, 4, 8)
     act_b = 2 if half else 4
     s, b = seq_len, micro_batch_size
-    per_layer = [s * b * values * act_b for values in plan.activations_per_token(c, s, attn)]
+    per_layer = [s * b * values * act_b for values in model_math.activations_per_token(c, s, attn)]
     acts_full = sum(per_layer)
     acts_ckpt = len(per_layer) * s * b * c.hidden_size * act_b + max(per_layer)
     offload_opt = launch.offload_optimizer != "none"
@@ -281,7 +279,7 @@ def step_costs(c, cfg, launch: Launch, micro_batch_size: int, machine: Machine, 
     tokens = micro_batch_size * launch.grad_accum_steps * launch.world_size * cfg.seq_len
     recompute = 4 / 3 if cfg.gradient_checkpointing else 1.0  # one more forward of every layer
     compute_s = (
-        plan.model_flops_per_token(c, cfg.seq_len) * tokens * recompute / (launch.world_size * machine.flops_per_device)
+        model_flops_per_token(c, cfg.seq_len) * tokens * recompute / (launch.world_size * machine.flops_per_device)
     )
     adam_s = 0.0
     if launch.offload_optimizer != "none":
@@ -349,20 +347,20 @@ def strategy_name(launch: Launch) -> str:
 
 def machine_for(cfg, launch: Launch, peak_flops_per_device: float, links: dict | None = None,
                 gpu_memory_gib: float = 0.0, model_rate: float | None = None, paper: bool = False) -> Machine:
-    """The Machine a plan of train.py's Config divides by: measured figures where given (links: plan.measure_links of
-    the run; gpu_memory_gib > 0: the device's; model_rate: plan.measure_model_rate's FLOP/s, `paper` or live), else
+    """The Machine a plan of train.py's Config divides by: measured figures where given (links: measure.measure_links of
+    the run; gpu_memory_gib > 0: the device's; model_rate: measure.measure_model_rate's FLOP/s, `paper` or live), else
     the flags (compute: --assumed_mfu of the peak) and, for the device's copy rate, the RTX 4090's datasheet (or an
     assumed 10 GB/s for a CPU core)."""
     links = links or {}
     assumed = cfg.interconnect_gb_s
     if model_rate:
-        flops, source = model_rate, f"measured on this model: {plan.measured_rate_source(launch, paper)}"
+        flops, source = model_rate, f"measured on this model: {measure.measured_rate_source(launch, paper)}"
     else:
         flops = peak_flops_per_device * cfg.assumed_mfu
         source = f"{cfg.assumed_mfu:.0%} MFU of {peak_flops_per_device / 1e12:.3g} TFLOP/s"
     return Machine(
         gpu_memory_gib=gpu_memory_gib or cfg.gpu_memory_gib,
-        host_memory_gib=cfg.host_memory_gib or plan.host_memory_gib(),
+        host_memory_gib=cfg.host_memory_gib or measure.host_memory_gib(),
         link_gb_s=links.get("all_reduce", assumed),
         gather_gb_s=links.get("all_gather", assumed),
         scatter_gb_s=links.get("reduce_scatter", assumed),
@@ -383,7 +381,7 @@ def plan_report(cfg, c, launch: Launch, machine: Machine, base: float, steps: in
     costs = step_costs(c, cfg, launch, cfg.micro_batch_size, machine, base)
     mem, moved = costs["mem"], costs["traffic"]
     counts, gpu = mem["params"], mem["gpu"]
-    flops_tok = plan.model_flops_per_token(c, cfg.seq_len)
+    flops_tok = model_flops_per_token(c, cfg.seq_len)
     where = "device" if launch.gpu else "process"
     full_loss = memory_plan(c, launch, cfg.micro_batch_size, cfg.seq_len, cfg.gradient_checkpointing,
                             cfg.attn_implementation, 0)["gpu"]["loss"]  # fmt: skip
@@ -545,56 +543,3 @@ def what_would_fit(c, cfg, launch: Launch, machine: Machine, base: float, rows: 
     if not options:
         return "not even with full offload at micro-batch 1: more GPUs, or a smaller model"
     return "would fit with " + ", or ".join(options)
-
-
-def check_fits(run, accelerator, peak_flops: float, links: dict) -> None:
-    """Print the plan of this launch (run: train.py's Run); refuse to start when it does not fit the GPUs or the host
-    RAM (unless --ignore_memory_plan)."""
-    cfg, launch = run.cfg, run.launch
-    plan.check_plan_flags(cfg)
-    if cfg.gradient_accumulation_steps not in (0, launch.grad_accum_steps):
-        raise UserError(
-            f"--gradient_accumulation_steps {cfg.gradient_accumulation_steps} is for --plan; a run takes it from the "
-            f"accelerate config ({launch.grad_accum_steps} here): accelerate launch --gradient_accumulation_steps "
-            f"{cfg.gradient_accumulation_steps} ... train.py ..."
-        )
-
-    device_gib = torch.cuda.get_device_properties(accelerator.device).total_memory / GIB if launch.gpu else 0.0
-    base = plan.process_rss_gib() * GIB  # before the timing below, whose copies' memory the process may keep
-    rate = None if launch.gpu else plan.live_cpu_rate(accelerator, cfg, run.model_config, launch)
-    machine = machine_for(cfg, launch, peak_flops / launch.world_size, links, device_gib, rate)
-    lines, fits = plan_report(cfg, run.model_config, launch, machine, base, run.total_steps)
-    accelerator.print("\n".join(lines))
-    # Each process plans on its own memory use: one verdict for all, or one would start while another stops.
-    fits = accelerator.reduce(torch.tensor([float(not fits)], device=accelerator.device), "sum").item() == 0
-    if not fits and not cfg.ignore_memory_plan:
-        raise UserError(
-            "the plan above does not fit this machine's GPU memory or host RAM; follow its advice where it gives "
-            "one, lower --micro_batch_size or --seq_len, or pass --ignore_memory_plan to try anyway"
-        )
-
-
-def print_plan(cfg, model_config) -> None:
-    """`train.py --plan [--compare]`: the plan on paper for --accelerate_config (default: the CPU config, or the
-    3-GPU ZeRO-3 config with --compare), with no process group and no GPU."""
-    plan.check_plan_flags(cfg)
-    default = "accelerate_configs/zero3_3gpu.yaml" if cfg.compare else "accelerate_configs/zero3_cpu.yaml"
-    path = cfg.accelerate_config or default
-    launch = plan.read_launch(path)
-    if cfg.gradient_accumulation_steps:
-        launch = dataclasses.replace(launch, grad_accum_steps=cfg.gradient_accumulation_steps)
-    if cfg.compare and (not launch.gpu or launch.nodes != 1 or launch.world_size != 3):
-        raise UserError(
-            f"--compare weighs the 3-GPU configs (accelerate_configs/*_3gpu.yaml); {path} is "
-            f"{launch.world_size} {'GPU' if launch.gpu else 'CPU'} processes on {launch.nodes} machine(s): give "
-            "one of those configs (default zero3_3gpu.yaml) for its global batch"
-        )
-    peak = plan.GPU_PEAK_FLOPS["RTX 4090"] if launch.gpu else 0.1e12  # the target card; a CPU core at ~100 GFLOP/s
-    base = GPU_PROCESS_HOST_GIB * GIB if launch.gpu else plan.process_rss_gib() * GIB  # before the timing
-    rate = None if launch.gpu else plan.paper_cpu_rate(cfg, model_config, launch)
-    machine = machine_for(cfg, launch, peak, model_rate=rate, paper=True)
-    if cfg.compare:
-        lines, _ = compare(model_config, cfg, launch, machine, base)
-    else:
-        lines, _ = plan_report(cfg, model_config, launch, machine, base, cfg.max_steps)
-    print("\n".join(lines))

@@ -5,6 +5,7 @@
     console_line     its one line on the console
     append / read_metrics / truncate_metrics / plot_losses   metrics.jsonl written, read, cut back, drawn
     check_trackers   --log_with's trackers known and installed, before the run starts
+    peak_memory_gib  this process's peak memory: the GPU's allocator, or the resident set on a CPU
 """
 
 from __future__ import annotations
@@ -12,13 +13,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import resource
 import time
 from pathlib import Path
 
 import torch
 
-import plan
-from cli import UserError, write_atomic
+from deepseek_zero3.cli import UserError, write_atomic
+from deepseek_zero3.planning import model_math
+from deepseek_zero3.planning.model_math import GIB
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """This process's peak memory so far: the CUDA allocator's, or the resident set on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / GIB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
 @dataclasses.dataclass
@@ -49,7 +59,7 @@ def metrics_record(run, parts, step: int, interval: Interval, last: dict) -> dic
     loss_sum = accelerator.reduce(torch.as_tensor(interval.loss_sum, device=accelerator.device).float(), "sum")
     tokens_per_s = interval.steps * run.batch.tokens_per_step / (time.perf_counter() - interval.t0)
     mem = float(
-        accelerator.gather(torch.tensor([plan.peak_memory_gib(accelerator.device)], device=accelerator.device)).max()
+        accelerator.gather(torch.tensor([peak_memory_gib(accelerator.device)], device=accelerator.device)).max()
     )
     record = {
         "step": step,
@@ -57,7 +67,7 @@ def metrics_record(run, parts, step: int, interval: Interval, last: dict) -> dic
         "loss": float(loss_sum) / (interval.counted * accelerator.num_processes) if interval.counted else float("nan"),
         **last,
         "tokens_per_s": tokens_per_s,
-        "mfu": plan.mfu(tokens_per_s, run.flops_per_token, parts.peak_flops),
+        "mfu": model_math.mfu(tokens_per_s, parts.planned.flops_per_token, parts.planned.peak_flops),
         "peak_mem_gib": mem,
         "epoch": step * run.batch.sequences_per_step / run.data.n_windows,
         "samples_seen": step * run.batch.sequences_per_step,
@@ -165,8 +175,7 @@ def truncate_metrics(metrics_path: Path, step: int) -> int:
 def check_trackers(log_with: str) -> None:
     """--log_with names trackers Accelerate knows (comma-separated) whose packages are installed: refused before the
     run starts, not Accelerate's ValueError, or a warning and a run with no tracker at all."""
-    from accelerate.utils import LoggerType
-    from accelerate.utils import imports
+    from accelerate.utils import LoggerType, imports
 
     names = [n.strip() for n in log_with.split(",") if n.strip()]
     if log_with and not names:

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import numpy as np
 
-import cli
-import corpora
-import documents
-import token_data
-from cli import UserError, write_json_atomic
-from tokenizer_pool import (
+from deepseek_zero3 import cli
+from deepseek_zero3.data import corpora
+from deepseek_zero3.data import documents
+from deepseek_zero3.tokens import token_data
+from deepseek_zero3.cli import UserError, write_json_atomic
+from deepseek_zero3.data.tokenizer_pool import (
     PIECE_CHARS,
     PIECE_CUT,
     Task,

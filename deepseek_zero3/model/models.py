@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cli import UserError
+from deepseek_zero3.cli import UserError
 
-MODEL_CONFIG_DIR = Path(__file__).resolve().parent / "model_configs"
+MODEL_CONFIG_DIR = Path(__file__).resolve().parents[2] / "model_configs"  # the repository's, beside the scripts
 
 
 # The architectures train.py builds, by model_type. A config must state the fields that shape the model: the

@@ -28,11 +28,9 @@ from pathlib import Path
 
 import torch
 
-import checkpoint
-import cli
-import metrics
-from cli import UserError
-
+from deepseek_zero3 import cli
+from deepseek_zero3.cli import UserError
+from deepseek_zero3.run_dir import checkpoint, metrics
 
 # The signals torchrun's agent (under accelerate launch) catches and passes on to its workers before it kills them
 # (TORCHELASTIC_SIGNALS_TO_HANDLE's default): each one asks the run to save and stop.

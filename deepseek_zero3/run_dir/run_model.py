@@ -17,8 +17,8 @@ import json
 import sys
 from pathlib import Path
 
-import checkpoint
-from cli import UserError
+from deepseek_zero3.cli import UserError
+from deepseek_zero3.run_dir import checkpoint
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ import logging
 import re
 from pathlib import Path
 
-from cli import UserError
+from deepseek_zero3.cli import UserError
 
 # `--tasks core`: six of the tasks base-model reports (GPT-3's onwards) most often show zero-shot. All are scored by
 # log-likelihood (no generation settings to match) and cover science questions (ARC), commonsense (HellaSwag, PIQA),

@@ -1,8 +1,9 @@
 """Tokens out: the on-disk token format and the training-sample order.
 
 prepare_data.py writes, and train.py and eval.py read, one flat token file per split plus meta.json; this module
-owns that format (its version, dtype and checked reader) and the order train.py draws windows of seq_len + 1 tokens
-in, a pure function of (seed, sample) so that a resumed run sees exactly the samples it would have.
+owns that format (its version, dtype and checked reader), the order train.py draws windows of seq_len + 1 tokens in,
+a pure function of (seed, sample) so that a resumed run sees exactly the samples it would have, and how many of them
+one optimizer step takes (the batch plan).
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 from pathlib import Path
 
 import numpy as np
 
-from cli import UserError
+from deepseek_zero3.cli import UserError
 
 FORMAT_VERSION = 1
 
@@ -123,6 +125,30 @@ def sample_window(seed: int, sample: int, n_windows: int) -> tuple[int, int]:
     a pure function of (seed, epoch), so any sample can be found again after a restart."""
     epoch, offset = divmod(sample, n_windows)
     return epoch, int(_epoch_permutation(seed, epoch, n_windows)[offset])
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+    """One optimizer step's batch: micro-batch x accumulation x processes sequences of seq_len tokens."""
+
+    micro_batch_size: int
+    grad_accum_steps: int
+    world_size: int
+    seq_len: int
+
+    @property
+    def sequences_per_step(self) -> int:
+        return self.micro_batch_size * self.grad_accum_steps * self.world_size
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.sequences_per_step * self.seq_len
+
+
+def total_steps_for(max_steps: int, num_epochs: float, n_windows: int, sequences_per_step: int) -> int:
+    if max_steps > 0:
+        return max_steps
+    return max(1, math.ceil(num_epochs * n_windows / sequences_per_step))
 
 
 @dataclasses.dataclass

@@ -1,0 +1,253 @@
+"""What the planner times and reads on this machine: the peak FLOP/s, the model's own rate, the links between the
+processes (and that they deliver what was sent), and memory."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import torch
+
+from deepseek_zero3 import cli
+from deepseek_zero3.cli import UserError
+from deepseek_zero3.distributed import Launch
+from deepseek_zero3.planning.model_math import GIB, gpu_peak_flops, model_flops_per_token, param_counts
+
+
+def measure_peak_flops(accelerator, precision: str) -> tuple[float, str]:
+    """Peak FLOP/s the MFU is measured against: the datasheet for known GPUs, else a large matmul timed now on every
+    process at once (on a CPU the processes share cores, so the sum is what the machine gives them together)."""
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        flops = gpu_peak_flops(name, precision)
+        if flops is not None:
+            return flops * accelerator.num_processes, f"{name} datasheet, {precision}"
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision, torch.float32)
+    n = 1024 if accelerator.device.type == "cpu" else 8192
+    a = torch.randn(n, n, device=accelerator.device, dtype=dtype)
+    b = torch.randn(n, n, device=accelerator.device, dtype=dtype)
+    a @ b
+    accelerator.wait_for_everyone()
+    reps = 5
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    if accelerator.device.type == "cuda":
+        torch.cuda.synchronize()
+    local = torch.tensor([2 * n**3 * reps / (time.perf_counter() - t0)], device=accelerator.device)
+    source = f"{n}x{n} {str(dtype).replace('torch.', '')} matmul timed on all processes"
+    return float(accelerator.reduce(local, "sum")), source
+
+
+# A CPU run times its own model for the plan (measure_model_rate) up to this many parameters in the 2-layer copy;
+# beyond it the copy would cost gigabytes and seconds, and the plan keeps --assumed_mfu of the timed matmul.
+MEASURED_COPY_MAX_PARAMS = 100e6
+MEASURED_RATE = "forward, loss and backward of 1 and 2 of its layers at this sequence and dtype"
+# ... over at most this many tokens (whole sequences, at least one): the rate, not the run's memory, is measured.
+MEASURED_TOKENS = 1024
+
+
+def in_lock_step(launch: Launch) -> bool:
+    """Whether the launch's processes go through the layers together (ZeRO-3 gathers each layer's parameters on all of
+    them): live_cpu_rate times them so, paper_cpu_rate gives them turns of the cores."""
+    return launch.zero_stage == 3 and launch.world_size > 1
+
+
+def measured_rate_source(launch: Launch, paper: bool) -> str:
+    """How the plan's compute rate was measured (live_cpu_rate, or paper_cpu_rate when `paper`), for the plan line."""
+    lock_step = in_lock_step(launch)
+    if paper:
+        turns = "; under ZeRO-3 processes beyond the cores take turns" if lock_step else ""
+        return f"{MEASURED_RATE}, one process on paper, its share of the cores{turns}"
+    return f"{MEASURED_RATE}, all processes at once{', in step at each layer' if lock_step else ''}"
+
+
+def measure_model_rate(c, micro: int, seq_len: int, precision: str, attn: str, chunk: int, sync=None) -> float | None:
+    """FLOP/s this process reaches on the model itself, for the plan's compute time on CPUs (where small models reach
+    a fraction of a big matmul's rate, and no fixed MFU fits them all): copies of the model with 1 and 2 decoder
+    layers, in the run's dtype, each timed over forward, the run's loss (lmloss.model_nll, `chunk` tokens at a time)
+    and backward at the run's sequence and micro-batch, capped at MEASURED_TOKENS (best of 2 after a warm-up), the
+    whole model's pass read as the 1-layer time + (layers - 1) x the second layer's. sync: called at each layer's start
+    and backward's end (lock_step), on every process at once. It leaves out what ZeRO moves (the plan's link and copy
+    terms) and the optimizer. Call it on every process at once: on a CPU they share the cores. None for a copy over
+    MEASURED_COPY_MAX_PARAMS."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from deepseek_zero3.model import lmloss
+
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision, torch.float32)
+    copies = [copy.deepcopy(c) for _ in (1, 2)]
+    for layers, small in enumerate(copies, 1):
+        small.num_hidden_layers = layers
+    if param_counts(copies[1])["total"] > MEASURED_COPY_MAX_PARAMS:
+        return None
+    seconds = []
+    with torch.random.fork_rng():  # the run's random state stays as it was
+        torch.manual_seed(0)
+        micro = max(1, min(micro, MEASURED_TOKENS // seq_len))
+        ids = torch.randint(0, c.vocab_size, (micro, seq_len))
+        for small in copies:
+            try:
+                model = AutoModelForCausalLM.from_config(small, attn_implementation=attn, dtype=dtype)
+            except (ValueError, TypeError, IndexError):  # a config whose per-layer lists do not shrink: not timed
+                return None
+            if sync is not None:
+                lock_step(model, sync, small.num_hidden_layers)  # the same on every process: same config
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                nll, n = lmloss.model_nll(model, ids, ids, chunk)
+                (nll / n).backward()
+                times.append(time.perf_counter() - t0)
+            seconds.append(min(times[1:]))
+            del model, nll
+    whole = seconds[0] + (c.num_hidden_layers - 1) * max(seconds[1] - seconds[0], 0.0)
+    return model_flops_per_token(c, seq_len) * micro * seq_len / whole
+
+
+def lock_step(model, sync, layers: int) -> None:
+    """Calls sync() as each decoder layer starts its forward and as its backward ends: where ZeRO-3 gathers and
+    reduces that layer's parameters, and so where its processes wait for the slowest. Processes that outnumber the
+    cores finish a layer in turns there (3 on 2 cores: a layer takes two turns, not 1.5), which timing them apart
+    misses. The decoder layers: the one ModuleList of `layers` modules (by its name when several are that long; none
+    hooked when that is not one, the same on every process: a list of experts, which ranks call differently, must
+    never be taken)."""
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) == layers]
+    if len(lists) > 1:
+        lists = [(name, m) for name, m in lists if name.rsplit(".", 1)[-1] in ("layers", "h", "blocks")]
+    if len(lists) != 1:
+        return
+
+    def before(module, args, kwargs):
+        sync()
+        hidden = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
+        if hidden is not None and hidden.requires_grad:
+            hidden.register_hook(lambda grad: (sync(), grad)[1])
+
+    for layer in lists[0][1]:
+        layer.register_forward_pre_hook(before, with_kwargs=True)
+
+
+def live_cpu_rate(accelerator, cfg, c, launch: Launch) -> float | None:
+    """measure_model_rate on every process of a CPU run at once; the mean over processes. Under ZeRO-3 the processes
+    run the copies in lock step (a one-element all-reduce at each layer's start and backward's end), as the gathers
+    keep the run: on 3 processes sharing 2 cores, timing them apart planned ~2x the tokens/s the run reached. The
+    copies are plain models: transformers builds every model partitioned while Accelerate's DeepSpeed config is
+    registered with it (Accelerate's zero3_init_context_manager(enable=False) re-registers it, so it does not stop
+    that)."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    plugin = accelerator.state.deepspeed_plugin
+    hf_deepspeed.unset_hf_deepspeed_config()
+    one = torch.zeros(1)
+    sync = (lambda: torch.distributed.all_reduce(one)) if in_lock_step(launch) else None
+    try:
+        rate = measure_model_rate(c, cfg.micro_batch_size, cfg.seq_len, launch.precision, cfg.attn_implementation,
+                                  cfg.loss_chunk_tokens, sync)  # fmt: skip
+    finally:
+        if plugin is not None and plugin.dschf is not None:
+            hf_deepspeed.set_hf_deepspeed_config(plugin.dschf)
+    found = accelerator.gather(torch.tensor([rate or 0.0], device=accelerator.device))
+    return float(found.mean()) if bool((found > 0).all()) else None
+
+
+def paper_cpu_rate(cfg, c, launch: Launch) -> float | None:
+    """measure_model_rate for a CPU launch planned on paper, in this one process: as the launcher runs it, one thread
+    per process when there are several (torchrun's default), and the processes' share of this machine's cores. Under
+    ZeRO-3, where the processes go through the layers in lock step (see live_cpu_rate), processes that outnumber the
+    cores get one core in ceil(processes / cores) turns, not cores / processes of one."""
+    threads = torch.get_num_threads()
+    if launch.world_size > 1:
+        torch.set_num_threads(1)
+    try:
+        rate = measure_model_rate(c, cfg.micro_batch_size, cfg.seq_len, launch.precision, cfg.attn_implementation,
+                                  cfg.loss_chunk_tokens)  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    per_machine, cores = launch.world_size // launch.nodes, len(os.sched_getaffinity(0))
+    if not rate or per_machine <= cores:
+        return rate
+    return rate / math.ceil(per_machine / cores) if in_lock_step(launch) else rate * cores / per_machine
+
+
+def host_memory_gib() -> float:
+    """This machine's RAM."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+
+
+def process_rss_gib() -> float:
+    """This process's resident memory now (the base a plan adds the model to)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / GIB
+
+
+def measure_links(accelerator) -> dict:
+    """What moving bytes costs this run, measured in a second or two on the real process group and device: the bus
+    bandwidth (GB/s) of each collective ZeRO and DDP use (all-reduce, all-gather, reduce-scatter; none for one
+    process) and the device's copy rate (GB/s read + written), after checking that what every process sends arrives
+    unchanged.
+
+    The check: an all-gather of rank-stamped integers, compared on every rank. On some RTX 40-series drivers NCCL's
+    P2P copies between cards return wrong data without an error; training would then go on with corrupted gradients.
+    Bus bandwidth as nccl-tests defines it: bytes x 2 (n-1)/n (all-reduce) or (n-1)/n (the others) / seconds, the best
+    of 2 after a warm-up; the backends differ in each (gloo's reduce-scatter runs at a fraction of its all-reduce)."""
+    n, device = accelerator.num_processes, accelerator.device
+    numel = (64 if device.type == "cuda" else 16) * 2**20 // 4  # the collectives' buffer; the copy's is 4x that
+
+    def best_s(op) -> float:
+        times = []
+        for _ in range(3):
+            accelerator.wait_for_everyone()
+            t0 = time.perf_counter()
+            op()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return min(times[1:])
+
+    # Two copy rates: into memory the process already holds (the optimizer step, persistent buckets), and as the
+    # frameworks flatten many tensors into a fresh buffer (a bucket to reduce, a gather); on a CPU the fresh pages cost
+    # more than the bytes (3.9 GB/s here against 13.5).
+    pieces = list(torch.ones(numel * 4, device=device).chunk(16))
+    held, into = torch.ones(numel * 4, device=device), torch.zeros(numel * 4, device=device)
+    links = {
+        "memory": 2 * numel * 4 * 4 / best_s(lambda: into.copy_(held)) / 1e9,
+        "memory_fresh": 2 * numel * 4 * 4 / best_s(lambda: torch.cat(pieces)) / 1e9,
+    }
+    buf, out = torch.ones(numel, device=device), torch.empty(numel, device=device)
+    if n == 1:
+        return links
+    check_link_content(accelerator, numel)
+    shard = torch.ones(numel // n, device=device)
+    ring = (n - 1) / n * numel * 4 / 1e9
+    links["all_reduce"] = 2 * ring / best_s(lambda: torch.distributed.all_reduce(buf))
+    links["all_gather"] = ring / best_s(
+        lambda: torch.distributed.all_gather_into_tensor(out[: shard.numel() * n], shard)
+    )
+    links["reduce_scatter"] = ring / best_s(
+        lambda: torch.distributed.reduce_scatter_tensor(shard, buf[: shard.numel() * n])
+    )
+    return links
+
+
+def check_link_content(accelerator, numel: int) -> None:
+    """Stop the run when an all-gather of rank-stamped integers arrives changed anywhere (see measure_links)."""
+    n, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
+    stamp = torch.arange(numel, dtype=torch.int32, device=device)
+    got = [torch.empty_like(stamp) for _ in range(n)]
+    torch.distributed.all_gather(got, stamp * (rank + 1))
+    if cli.fault("corrupt_link", rank, 0):
+        got[(rank + 1) % n][numel // 2] += 1
+    wrong = torch.zeros(n, n, device=device)  # [receiver, sender]
+    wrong[rank] = torch.tensor([float(not torch.equal(g, stamp * (r + 1))) for r, g in enumerate(got)])
+    pairs = accelerator.reduce(wrong, "sum").nonzero().tolist()
+    if pairs:
+        raise UserError(
+            f"data sent between the processes arrived changed (an all-gather of {numel * 4 // 2**20} MiB per process; "
+            + ", ".join(f"rank {sender}'s on rank {receiver}" for receiver, sender in pairs)
+            + "): some RTX 40-series drivers' P2P copies return wrong data; launch with NCCL_P2P_DISABLE=1 in the "
+            "environment, or update the driver"
+        )

@@ -1,0 +1,126 @@
+"""Model arithmetic without building the model: parameter counts (dense and MoE), training FLOPs per token, activations
+per token, MFU, and the GPUs' datasheet peaks."""
+
+from __future__ import annotations
+
+# Dense fp16/bf16 tensor-core peak with fp32 accumulate, FLOP/s, by substring of the CUDA device name; the longest
+# matching name wins, so "H100 PCIe" is not read as the SXM card. fp32 runs are measured against a timed matmul.
+GPU_PEAK_FLOPS = {
+    "RTX 4090": 165.2e12,
+    "H100": 989e12,
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H200": 989e12,
+    "A100": 312e12,
+    "RTX 3090": 71e12,
+    "L40S": 362e12,
+}
+GIB = 2**30
+# The share of a GPU's memory a plan may fill: the CUDA context, allocator fragmentation and buffers take the rest.
+FIT_FRACTION = 0.95
+
+
+def llama_param_counts(c) -> dict:
+    """Parameter counts of a Llama/DeepSeek config without building it: total, non-embedding, largest tensor."""
+    h, v, f, n_layers = c.hidden_size, c.vocab_size, c.intermediate_size, c.num_hidden_layers
+    kv = c.num_key_value_heads * (h // c.num_attention_heads)
+    layer = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
+    embed = v * h
+    head = 0 if c.tie_word_embeddings else v * h
+    total = embed + head + n_layers * layer + h
+    return {"total": total, "non_embedding": total - embed, "largest_tensor": max(embed, h * f), "per_layer": layer}
+
+
+def flops_per_token(n_params_non_embedding: int, n_layers: int, hidden_size: int, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward): 6 N + 12 L H T (PaLM appendix B; nanoGPT)."""
+    return 6 * n_params_non_embedding + 12 * n_layers * hidden_size * seq_len
+
+
+def is_moe(c) -> bool:
+    return getattr(c, "model_type", "") == "deepseek_v3"
+
+
+def deepseek_v3_param_counts(c) -> dict:
+    """Parameter counts of a DeepSeek-V3 config (MLA attention, DeepSeekMoE) without building it: total, activated
+    per token (the top-k routed experts, the shared ones and the router of each MoE layer), non-embedding, largest
+    tensor (the fused routed experts' gate and up projections, which ZeRO-3 gathers whole)."""
+    h, v, n_layers, heads = c.hidden_size, c.vocab_size, c.num_hidden_layers, c.num_attention_heads
+    qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+    q = h * heads * qk if not c.q_lora_rank else h * c.q_lora_rank + c.q_lora_rank + c.q_lora_rank * heads * qk
+    kv = (
+        h * (c.kv_lora_rank + c.qk_rope_head_dim)
+        + c.kv_lora_rank
+        + c.kv_lora_rank * heads * (c.qk_nope_head_dim + c.v_head_dim)
+    )
+    attention = q + kv + heads * c.v_head_dim * h + 2 * h  # with the layer's two norms
+    expert = 3 * h * c.moe_intermediate_size
+    router = c.n_routed_experts * h
+    moe_total = c.n_routed_experts * expert + c.n_shared_experts * expert + router
+    moe_active = c.num_experts_per_tok * expert + c.n_shared_experts * expert + router
+    n_dense = min(c.first_k_dense_replace, n_layers)
+    dense = 3 * h * c.intermediate_size
+    embed, head = v * h, 0 if c.tie_word_embeddings else v * h
+    body = n_layers * attention + n_dense * dense + h
+    total = embed + head + body + (n_layers - n_dense) * moe_total
+    activated = embed + head + body + (n_layers - n_dense) * moe_active
+    largest = max(embed, h * c.intermediate_size, c.n_routed_experts * 2 * c.moe_intermediate_size * h)
+    return {
+        "total": total,
+        "non_embedding": total - embed,
+        "activated": activated,
+        "activated_non_embedding": activated - embed,
+        "largest_tensor": largest,
+    }
+
+
+def param_counts(c) -> dict:
+    """total, non_embedding, activated (per token), activated_non_embedding and largest_tensor of a model config."""
+    if is_moe(c):
+        return deepseek_v3_param_counts(c)
+    counts = llama_param_counts(c)
+    return {**counts, "activated": counts["total"], "activated_non_embedding": counts["non_embedding"]}
+
+
+def model_flops_per_token(c, seq_len: int) -> float:
+    """Training FLOPs per token of a config: 6 x activated non-embedding parameters (a MoE layer counts only the
+    experts a token goes to) + 6 L T x the attention's query-key and value widths (12 L H T for Llama; MLA's
+    per-head query-key width is qk_nope + qk_rope, its value width v_head_dim)."""
+    counts = param_counts(c)
+    if is_moe(c):
+        widths = c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
+    else:
+        widths = 2 * c.hidden_size
+    return 6 * counts["activated_non_embedding"] + 6 * c.num_hidden_layers * seq_len * widths
+
+
+def activations_per_token(c, seq_len: int, attn: str) -> list[int]:
+    """Values saved for backward per token, layer by layer (see memory_plan). DeepSeek-V3 layers: the two norm
+    inputs, attention input, q and rotated q, the compressed kv, expanded k and v, attention output (MLA), then the
+    MLP input and gate, up, SiLU and product of every expert the token goes to, and the router's scores."""
+    h, a = c.hidden_size, c.num_attention_heads
+    eager = 2 * a * seq_len if attn == "eager" else 0
+    if not is_moe(c):
+        kv = c.num_key_value_heads * (h // a)
+        return [7 * h + 3 * kv + 4 * c.intermediate_size + eager] * c.num_hidden_layers
+    qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+    attention = 3 * h + 2 * a * qk + c.kv_lora_rank + c.qk_rope_head_dim + a * (qk + c.v_head_dim) + a * c.v_head_dim
+    moe_ffn = (c.num_experts_per_tok + c.n_shared_experts) * c.moe_intermediate_size
+    return [
+        attention
+        + eager
+        + h
+        + (4 * c.intermediate_size if i < c.first_k_dense_replace else 4 * moe_ffn + c.n_routed_experts)
+        for i in range(c.num_hidden_layers)
+    ]
+
+
+def mfu(tokens_per_s: float, flops_per_tok: float, peak_flops: float) -> float:
+    return tokens_per_s * flops_per_tok / peak_flops
+
+
+def gpu_peak_flops(device_name: str, precision: str) -> float | None:
+    """Datasheet 16-bit peak of a known GPU for fp16/bf16 runs; None (time a matmul instead) for fp32 or unknown."""
+    if precision not in ("fp16", "bf16"):
+        return None
+    matches = [key for key in GPU_PEAK_FLOPS if key in device_name]
+    return GPU_PEAK_FLOPS[max(matches, key=len)] if matches else None

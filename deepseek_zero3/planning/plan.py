@@ -1,0 +1,105 @@
+"""The planner's entry points: a live run's plan (`plan_run`, the one call train.py's setup makes) and a plan on paper
+(`print_plan`, for `train.py --plan [--compare]`, with no process group and no GPU).
+
+The parts it answers from: the launch (distributed.py), model arithmetic (model_math.py), what this machine measures
+(measure.py) and what a strategy costs in memory, traffic and time (costs.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from deepseek_zero3.cli import UserError
+from deepseek_zero3.distributed import read_launch
+from deepseek_zero3.planning import costs, measure, model_math
+from deepseek_zero3.planning.model_math import GIB
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """What a live run's plan tells the rest of setup and the loop."""
+
+    counts: dict  # model_math.param_counts of the model config
+    flops_per_token: float  # training FLOPs per token, what MFU counts
+    peak_flops: float  # what MFU is measured against: all processes' together
+    peak_source: str  # where peak_flops comes from (a datasheet, or a matmul timed in this run)
+
+
+def check_plan_flags(cfg) -> None:
+    """The planner's own flags, in --plan and in a real run."""
+    for name in ("assumed_mfu", "interconnect_gb_s", "pcie_gb_s", "nvme_gb_s", "gpu_memory_gib"):
+        if not getattr(cfg, name) > 0:
+            raise UserError(f"--{name} {getattr(cfg, name)} must be positive")
+    for name in ("host_memory_gib", "gradient_accumulation_steps"):
+        if getattr(cfg, name) < 0:
+            raise UserError(f"--{name} {getattr(cfg, name)} must not be negative (0: the default)")
+    if cfg.compare and not cfg.plan:
+        raise UserError("--compare is a --plan option: python train.py --plan --compare ...")
+
+
+def plan_run(run, accelerator) -> RunPlan:
+    """The plan of this launch (run: train.py's Run, past its checks and its resume's): prints the batch plan and the
+    plan of memory and time, which the processes measure together (peak FLOP/s, the links, on a CPU the model's rate);
+    refuses to start when it does not fit the GPUs or the host RAM (unless --ignore_memory_plan)."""
+    cfg, launch, batch = run.cfg, run.launch, run.batch
+    check_plan_flags(cfg)
+    if cfg.gradient_accumulation_steps not in (0, launch.grad_accum_steps):
+        raise UserError(
+            f"--gradient_accumulation_steps {cfg.gradient_accumulation_steps} is for --plan; a run takes it from the "
+            f"accelerate config ({launch.grad_accum_steps} here): accelerate launch --gradient_accumulation_steps "
+            f"{cfg.gradient_accumulation_steps} ... train.py ..."
+        )
+    threads = f", torch threads per process: {torch.get_num_threads()}" if accelerator.device.type == "cpu" else ""
+    accelerator.print(
+        f"batch plan: {batch.micro_batch_size} micro x {launch.grad_accum_steps} accumulation x "
+        f"{launch.world_size} processes = {batch.sequences_per_step} sequences = {batch.tokens_per_step:,} tokens "
+        f"per step; {run.total_steps} steps ({run.total_steps * batch.sequences_per_step / run.data.n_windows:.2f} "
+        f"epochs of {run.data.n_windows:,} windows); {accelerator.distributed_type.value}, {launch.precision}, "
+        f"on {accelerator.device.type}{threads}"
+    )
+    peak_flops, peak_source = measure.measure_peak_flops(accelerator, launch.precision)
+    links = measure.measure_links(accelerator)
+    device_gib = torch.cuda.get_device_properties(accelerator.device).total_memory / GIB if launch.gpu else 0.0
+    base = measure.process_rss_gib() * GIB  # before the timing below, whose copies' memory the process may keep
+    rate = None if launch.gpu else measure.live_cpu_rate(accelerator, cfg, run.model_config, launch)
+    machine = costs.machine_for(cfg, launch, peak_flops / launch.world_size, links, device_gib, rate)
+    lines, fits = costs.plan_report(cfg, run.model_config, launch, machine, base, run.total_steps)
+    accelerator.print("\n".join(lines))
+    # Each process plans on its own memory use: one verdict for all, or one would start while another stops.
+    fits = accelerator.reduce(torch.tensor([float(not fits)], device=accelerator.device), "sum").item() == 0
+    if not fits and not cfg.ignore_memory_plan:
+        raise UserError(
+            "the plan above does not fit this machine's GPU memory or host RAM; follow its advice where it gives "
+            "one, lower --micro_batch_size or --seq_len, or pass --ignore_memory_plan to try anyway"
+        )
+    counts = model_math.param_counts(run.model_config)
+    return RunPlan(counts, model_math.model_flops_per_token(run.model_config, cfg.seq_len), peak_flops, peak_source)
+
+
+def print_plan(cfg, model_config) -> None:
+    """`train.py --plan [--compare]`: the plan on paper for --accelerate_config (default: the CPU config, or the
+    3-GPU ZeRO-3 config with --compare), with no process group and no GPU."""
+    check_plan_flags(cfg)
+    default = "accelerate_configs/zero3_3gpu.yaml" if cfg.compare else "accelerate_configs/zero3_cpu.yaml"
+    path = cfg.accelerate_config or default
+    launch = read_launch(path)
+    if cfg.gradient_accumulation_steps:
+        launch = dataclasses.replace(launch, grad_accum_steps=cfg.gradient_accumulation_steps)
+    if cfg.compare and (not launch.gpu or launch.nodes != 1 or launch.world_size != 3):
+        raise UserError(
+            f"--compare weighs the 3-GPU configs (accelerate_configs/*_3gpu.yaml); {path} is "
+            f"{launch.world_size} {'GPU' if launch.gpu else 'CPU'} processes on {launch.nodes} machine(s): give "
+            "one of those configs (default zero3_3gpu.yaml) for its global batch"
+        )
+    # the target card; a CPU core at ~100 GFLOP/s
+    peak = model_math.GPU_PEAK_FLOPS["RTX 4090"] if launch.gpu else 0.1e12
+    base = costs.GPU_PROCESS_HOST_GIB * GIB if launch.gpu else measure.process_rss_gib() * GIB  # before the timing
+    rate = None if launch.gpu else measure.paper_cpu_rate(cfg, model_config, launch)
+    machine = costs.machine_for(cfg, launch, peak, model_rate=rate, paper=True)
+    if cfg.compare:
+        lines, _ = costs.compare(model_config, cfg, launch, machine, base)
+    else:
+        lines, _ = costs.plan_report(cfg, model_config, launch, machine, base, cfg.max_steps)
+    print("\n".join(lines))
