@@ -349,7 +349,7 @@ def test_hub_reachability_goes_through_the_proxy():
     try:
         proxy = f"http://127.0.0.1:{server.server_port}"
         env = {"HF_ENDPOINT": "http://hub.invalid", "HTTP_PROXY": proxy, "NO_PROXY": "", "no_proxy": ""}
-        script = "import corpora; print(corpora.hub_unreachable_reason())"
+        script = "from deepseek_zero3.data import corpora; print(corpora.hub_unreachable_reason())"
         proc = run([sys.executable, "-c", script], env={**env, "HF_HUB_OFFLINE": "0"})
         assert proc.stdout.strip() == "None" and seen == ["http://hub.invalid/"], (proc.stdout, seen)
         proc = run([sys.executable, "-c", script], env={**env, "HF_HUB_OFFLINE": "0", "HTTP_PROXY": ""})
