@@ -33,6 +33,7 @@ format (tokens/token_data.py).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import fcntl
@@ -488,10 +489,21 @@ def output_meta(cfg: Config, argv: list[str], tokenizer, dtype: np.dtype, stamp:
         "tokenizer_identity": stamp["tokenizer_identity"],
         "split_rule": SPLIT_RULE,
         "splits": {s: split_meta[s] for s in corpora.SPLITS if s in split_meta},
-        "sources": result["sources"],
+        "sources": [{"name": n, **source} for n, source in zip(source_names(result["sources"]), result["sources"])],
         "fingerprint": stamp["fingerprint"],
         "command": ["prepare_data.py", *argv],
     }
+
+
+def source_names(sources: list[dict]) -> list[str]:
+    """Each source's name for train.py's --data_mix: a preset's, or a file's or directory's; a repeat gets -2, -3."""
+    seen: collections.Counter = collections.Counter()
+    names = []
+    for source in sources:
+        base = token_data.source_name(source["spec"])
+        seen[base] += 1
+        names.append(base if seen[base] == 1 else f"{base}-{seen[base]}")
+    return names
 
 
 def report(out_dir: Path, meta: dict, tokens_per_s: float, total_s: float, peak_worker_mib: float | None) -> None:
@@ -512,6 +524,10 @@ def report(out_dir: Path, meta: dict, tokens_per_s: float, total_s: float, peak_
             f"  {name:<10} {s['documents']:>9,} docs {s['tokens']:>13,} tokens {s['bytes']:>14,} bytes "
             f"({s['bytes'] / max(1, s['tokens'] - s['documents']):.2f} bytes/token)"
         )
+    if len(meta["sources"]) > 1:
+        for source in meta["sources"]:
+            tokens = source.get("tokens", {})
+            print(f"  source {source['name']}: " + ", ".join(f"{n:,} {split} tokens" for split, n in tokens.items()))
     docs = sum(s["documents"] for s in meta["splits"].values())
     tokens = sum(s["tokens"] for s in meta["splits"].values())
     text_bytes = sum(s["bytes"] for s in meta["splits"].values())

@@ -46,7 +46,12 @@ cli.quiet_console()
 # fmt: off
 @dataclasses.dataclass
 class Config:
-    data_dir: str = field("data/python-docs", "directory written by prepare_data.py")
+    data_dir: str = field("data/python-docs", "directory written by prepare_data.py, or several (comma-separated, "
+                                              "the same tokenizer)")
+    data_mix: str = field("", "each source's share of the samples, e.g. openwebtext=0.9,wikitext-103=0.1 (sources left "
+                              "out: 0; default: in proportion to their sizes)")
+    document_masking: bool = field(True, "each packed document attends only to itself, positions restarting at 0 "
+                                         "(--no_document_masking: across the whole window)")
     model_config: str = field("tiny", "preset in model_configs/ (deepseek-7b, deepseek-1.3b, small, mini, tiny), "
                                       "a config.json, or a model directory")
     init_from: str = field("", "Hugging Face model directory to start from (its weights); default: random init")
@@ -72,7 +77,7 @@ class Config:
     seed: int = field(0, "seeds the weights and the data order")
     log_every: int = field(10, "optimizer steps between metric lines")
     eval_every: int = field(100, "optimizer steps between validation runs (0: only at start and end)")
-    eval_tokens: int = field(1 << 20, "validation tokens per evaluation (0: the whole split)")
+    eval_tokens: int = field(1 << 20, "validation tokens of each source per evaluation (0: all of them)")
     save_every: int = field(100, "optimizer steps between checkpoints (0: only at the end)")
     keep_last: int = field(2, "complete checkpoints to keep")
     resume: str = field("", "'auto' (newest complete checkpoint in OUT, if any) or a checkpoint directory")
@@ -159,16 +164,19 @@ def sample_ids(step: int, micro_step: int, rank: int, batch: token_data.BatchPla
     return range(start, start + batch.micro_batch_size)
 
 
-def get_batch(data: token_data.TrainingData, ids: range, seq_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and next-token targets of the samples `ids`: windows of the training tokens in the order
-    token_data.sample_window gives (a fresh permutation per epoch, a pure function of seed and sample number)."""
-    windows = [token_data.sample_window(seed, i, data.n_windows)[1] for i in ids]
-    batch = torch.from_numpy(np.stack([token_data.window(data.train_tokens, w, seq_len) for w in windows]))
-    return batch[:, :-1], batch[:, 1:]
+def get_batch(data: token_data.TrainingData, ids: range, cfg: Config) -> tuple[torch.Tensor, ...]:
+    """Inputs, next-token targets and position ids of the samples `ids`: windows of the sources' training tokens in
+    the mixture's order (token_data.sample_tokens: a pure function of seed and sample number). With document masking
+    the positions restart at each document (its attention stays inside it), else they run 0..seq_len-1."""
+    batch = torch.from_numpy(np.stack([token_data.sample_tokens(data, cfg.seed, i, cfg.seq_len) for i in ids]))
+    inputs = batch[:, :-1]
+    positions = token_data.document_positions(inputs, data.meta["eos_id"]) if cfg.document_masking else None
+    return inputs, batch[:, 1:], positions
 
 
-def lm_loss(model, inputs: torch.Tensor, targets: torch.Tensor, cfg: Config) -> torch.Tensor:
-    nll, n = model_nll(model, inputs, targets, cfg.loss_chunk_tokens)  # never all logits at once: lmloss.py
+def lm_loss(model, batch: tuple[torch.Tensor, ...], cfg: Config) -> torch.Tensor:
+    inputs, targets, positions = batch
+    nll, n = model_nll(model, inputs, targets, cfg.loss_chunk_tokens, positions)  # never all logits at once: lmloss
     return (nll / n).float()
 
 
@@ -200,7 +208,7 @@ class Run:
             "grad_accum_steps": self.launch.grad_accum_steps,
             "seq_len": self.cfg.seq_len,
             "seed": self.cfg.seed,
-            "data_fingerprint": self.data.meta["fingerprint"],
+            "data_fingerprint": self.data.fingerprint,
             "model_config_hash": checkpoint.config_hash(self.model_config),
             "precision": self.launch.precision,
             "zero_stage": self.launch.zero_stage,
@@ -208,7 +216,7 @@ class Run:
 
     def state_at(self, step: int, skipped_steps: int = 0) -> dict:
         """trainer_state.json of the checkpoint at `step`."""
-        data_dir = str(Path(self.cfg.data_dir).resolve())
+        data_dir = ",".join(str(Path(d.strip()).resolve()) for d in self.cfg.data_dir.split(",") if d.strip())
         return {
             **self.identity(),
             "step": step,
@@ -259,10 +267,8 @@ def check(cfg: Config, given: set[str], accelerator) -> Run:
     if resume is not None:
         cfg, resume = checkpoint.resume_settings(cfg, given, resume, accelerator.print)
         check_flags(cfg)
-    data = token_data.training_data(cfg.data_dir, cfg.seq_len, cfg.eval_tokens)
-    tokenizer = models.load_tokenizer(
-        Path(cfg.data_dir) / "tokenizer", "rebuild the data with prepare_data.py --overwrite"
-    )
+    data = token_data.training_data(cfg.data_dir, cfg.seq_len, cfg.eval_tokens, cfg.data_mix)
+    tokenizer = models.load_tokenizer(data.tokenizer_dir, "rebuild the data with prepare_data.py --overwrite")
     if resume is not None and (resume.path / "model_config.json").is_file():
         model_config = checkpoint.read_model_config(resume.path)
     else:
@@ -438,11 +444,13 @@ def train(cfg: Config, given: set[str]) -> int:
             accelerator.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
 
     def validate_at(step: int) -> None:
-        val = validation_loss(model, accelerator, run.data.val_tokens, cfg.seq_len, cfg.micro_batch_size, chunk)
-        log(
-            {"step": step, "tokens": step * run.batch.tokens_per_step, "val_loss": val, "val_ppl": math.exp(val)},
-            f"step {step} | val loss {val:.4f} | val ppl {math.exp(val):.2f}",
-        )
+        eos = run.data.meta["eos_id"] if cfg.document_masking else None
+        losses = {
+            s.name: validation_loss(model, accelerator, s.val_tokens, cfg.seq_len, cfg.micro_batch_size, chunk, eos)
+            for s in run.data.sources
+            if token_data.num_windows(len(s.val_tokens), cfg.seq_len)
+        }
+        log(*metrics.validation_record(run, step, losses))
 
     stop_signals = resilience.StopSignals(out, rank)  # preemption, Ctrl-C, a closed terminal: finish the step, save
     step = run.resume.state["step"] if run.resume is not None else 0
@@ -464,10 +472,11 @@ def train(cfg: Config, given: set[str]) -> int:
             group["lr"] = lr
         loss_sum, grad_norm = torch.zeros((), device=accelerator.device), None
         for micro_step in range(accum):
-            inputs, targets = get_batch(run.data, sample_ids(step, micro_step, rank, run.batch), cfg.seq_len, cfg.seed)
+            batch = get_batch(run.data, sample_ids(step, micro_step, rank, run.batch), cfg)
+            batch = tuple(t.to(accelerator.device) if t is not None else None for t in batch)
             with accelerator.accumulate(model):
                 with balancer.collecting() if balancer else contextlib.nullcontext():
-                    loss = lm_loss(model, inputs.to(accelerator.device), targets.to(accelerator.device), cfg)
+                    loss = lm_loss(model, batch, cfg)
                 if cli.fault("nan_loss", rank, step + 1):
                     loss = loss * float("nan")
                 aux_loss = balancer.aux_loss() if balancer else None
@@ -554,7 +563,8 @@ def run_plan(cfg: Config) -> int:
     """`train.py --plan [--compare]`: the plan for a config on paper, no process group and no GPU needed."""
     try:
         check_flags(cfg)
-        meta = token_data.read_meta(cfg.data_dir) if (Path(cfg.data_dir) / "meta.json").is_file() else None
+        first = Path(cfg.data_dir.split(",")[0].strip())  # its vocabulary size; several directories share it
+        meta = token_data.read_meta(first) if (first / "meta.json").is_file() else None
         plan.print_plan(cfg, models.load_model_config(cfg.model_config, cfg.init_from, cfg.seq_len, meta))
     except (OSError, KeyError, UserError) as e:
         cli.print_error(str(e))

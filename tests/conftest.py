@@ -105,26 +105,24 @@ def train_records(out_dir) -> dict[int, dict]:
     return {r["step"]: r for r in metrics(out_dir) if "loss" in r}
 
 
+def docs_prepare_args(out: Path) -> list:
+    """prepare_data.py's arguments for docs_data: two sources of very different sizes, kept apart in the token files."""
+    from common import synthetic_web_documents
+
+    web = out.parent / "web.jsonl"
+    if not web.is_file():
+        web.write_text("".join(json.dumps({"text": t}) + "\n" for t in synthetic_web_documents(150_000)))
+    return ["--dataset", "python-docs", "--dataset", web, "--tokenizer", "bpe:512", "--output_dir", out,
+            "--validation_fraction", "0.05", "--num_proc", "2"]  # fmt: skip
+
+
 @pytest.fixture(scope="session")
 def docs_data(tmp_path_factory) -> Path:
-    """The built-in python-docs corpus with a 512-token BPE: small, offline, real."""
+    """The built-in python-docs corpus (~1.9 MB) and ~150 kB of synthetic web text (web.jsonl) with a 512-token BPE:
+    small, offline, real. Every run on it draws from a mixture of two sources (in proportion to their sizes unless
+    --data_mix says otherwise), with document masking on, as train.py does by default."""
     out = tmp_path_factory.mktemp("data") / "python-docs"
-    run(
-        [
-            sys.executable,
-            "prepare_data.py",
-            "--dataset",
-            "python-docs",
-            "--tokenizer",
-            "bpe:512",
-            "--output_dir",
-            out,
-            "--validation_fraction",
-            "0.05",
-            "--num_proc",
-            "2",
-        ]
-    )
+    run([sys.executable, "prepare_data.py", *docs_prepare_args(out)])
     return out
 
 

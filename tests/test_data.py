@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 from common import synthetic_web_documents
-from conftest import REPO, WIKITEXT2, needs_wikitext, run
+from conftest import REPO, WIKITEXT2, docs_prepare_args, needs_wikitext, run
 
 import prepare_data
 from deepseek_zero3.cli import UserError
@@ -123,22 +123,7 @@ def test_python_docs_needs_no_network_or_files(docs_data):
 def test_second_identical_run_is_a_no_op(docs_data):
     before = (docs_data / "train.bin").stat().st_mtime_ns
     t0 = time.perf_counter()
-    proc = run(
-        PREPARE
-        + [
-            "--dataset",
-            "python-docs",
-            "--tokenizer",
-            "bpe:512",
-            "--output_dir",
-            docs_data,
-            "--validation_fraction",
-            "0.05",
-            "--num_proc",
-            "2",
-            "--overwrite",
-        ]
-    )
+    proc = run(PREPARE + docs_prepare_args(docs_data) + ["--overwrite"])
     assert "up to date" in proc.stdout  # --overwrite replaces only data prepared from other inputs
     assert (docs_data / "train.bin").stat().st_mtime_ns == before
     assert time.perf_counter() - t0 < 60  # seconds, not a re-tokenization (generous: a loaded CI machine)

@@ -215,6 +215,13 @@ def auto_num_proc(sources: list[corpora.Source]) -> int:
     return 1 if known and sum(s.total_bytes for s in sources) < cores * (32 << 20) else cores
 
 
+def source_tokens(counts: dict, earlier: list[dict]) -> dict:
+    """The tokens of each split the source just finished wrote: the split files hold the sources one after another."""
+    return {
+        split: c["tokens"] - sum(e.get("tokens", {}).get(split, 0) for e in earlier) for split, c in counts.items()
+    }
+
+
 def tokenize_all(sources: list[corpora.Source], job: Job, resume: dict | None) -> dict:
     """Stream every source through the tokenizer into job.tmp_dir, from the checkpoint `resume` when given; every
     checkpoint's progress.json carries job.stamp (fingerprint, tokenizer identity). Returns the counts per split and
@@ -246,6 +253,9 @@ def tokenize_all(sources: list[corpora.Source], job: Job, resume: dict | None) -
             if task.texts is None:
                 for w in writers.values():
                     w.sync()
+                if task.position["documents"] == 0 and task.position["source"] > 0:  # a source's end: its tokens
+                    ended = per_source[task.position["source"] - 1]
+                    ended["tokens"] = source_tokens(counts, per_source[: task.position["source"] - 1])
                 progress = {**job.stamp, "position": task.position, "splits": counts, "sources": per_source}
                 write_json_atomic(job.tmp_dir / "progress.json", progress)
                 if bar.disable:  # no terminal: a line per checkpoint instead of the bar

@@ -40,8 +40,10 @@ def validation_loss(
     seq_len: int,
     micro_batch_size: int,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    eos_id: int | None = None,
 ) -> float:
-    """Mean next-token loss over non-overlapping windows of the validation tokens, split over all processes.
+    """Mean next-token loss over non-overlapping windows of the validation tokens, split over all processes; with
+    eos_id, each document of a window attends only to itself (token_data.document_positions), as training does.
 
     Every process runs the same number of forward passes (ZeRO-3 gathers parameters collectively); a process with
     fewer windows pads with a repeat whose tokens carry no weight.
@@ -59,7 +61,9 @@ def validation_loss(
         )
         targets = rows[:, 1:].clone()
         targets[[i for i, w in enumerate(chunk) if w is None]] = -100
-        nll, n = model_nll(model, rows[:, :-1].to(accelerator.device), targets.to(accelerator.device), chunk_tokens)
+        inputs = rows[:, :-1].to(accelerator.device)
+        positions = token_data.document_positions(inputs, eos_id) if eos_id is not None else None
+        nll, n = model_nll(model, inputs, targets.to(accelerator.device), chunk_tokens, positions)
         total += torch.stack([nll, n])
     total = accelerator.reduce(total, "sum")
     model.train()
@@ -213,9 +217,10 @@ def _liger_loss(device: torch.device):
 
 
 def model_nll(
-    model, inputs: torch.Tensor, targets: torch.Tensor, chunk_tokens: int
+    model, inputs: torch.Tensor, targets: torch.Tensor, chunk_tokens: int, position_ids: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """nll_sum of a causal LM's next-token predictions (targets of -100 are not scored).
+    """nll_sum of a causal LM's next-token predictions (targets of -100 are not scored); position_ids restarting at a
+    document's first token keep each document's attention to itself (token_data.document_positions).
 
     With chunk_tokens > 0 the model runs its own forward (ZeRO-3's hooks gather the output weight once, as for its
     logits, and once again in backward), but its output layer, while called, returns the summed NLL of its hidden
@@ -241,7 +246,7 @@ def model_nll(
         head.forward = loss_forward
         hook = head.register_forward_hook(lambda module, args, output: returned.append(output))
         try:
-            logits = model(input_ids=inputs, use_cache=False).logits
+            logits = model(input_ids=inputs, position_ids=position_ids, use_cache=False).logits
         except torch.OutOfMemoryError:  # not a property of the model: it must not switch the loss path
             raise
         except (RuntimeError, IndexError):  # a model that reshapes or slices its logits
@@ -256,7 +261,7 @@ def model_nll(
             return logits, (targets != -100).sum().double()
         _plain[core] = False
         _print_once(f"note: {type(core).__name__} changes its output layer's logits; the loss takes them whole")
-    return nll_sum(model(input_ids=inputs, use_cache=False).logits, targets)
+    return nll_sum(model(input_ids=inputs, position_ids=position_ids, use_cache=False).logits, targets)
 
 
 def _print_once(line: str) -> None:

@@ -15,6 +15,7 @@ from deepseek_zero3.cli import UserError
 from deepseek_zero3.distributed import read_launch
 from deepseek_zero3.planning import costs, measure, model_math
 from deepseek_zero3.planning.model_math import GIB
+from deepseek_zero3.tokens import mixture
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +58,7 @@ def plan_run(run, accelerator) -> RunPlan:
         f"{launch.world_size} processes = {batch.sequences_per_step} sequences = {batch.tokens_per_step:,} tokens "
         f"per step; {run.total_steps} steps ({run.total_steps * batch.sequences_per_step / run.data.n_windows:.2f} "
         f"epochs of {run.data.n_windows:,} windows); {accelerator.distributed_type.value}, {launch.precision}, "
-        f"on {accelerator.device.type}{threads}"
+        f"on {accelerator.device.type}{threads}" + source_passes(run)
     )
     peak_flops, peak_source = measure.measure_peak_flops(accelerator, launch.precision)
     links = measure.measure_links(accelerator)
@@ -76,6 +77,17 @@ def plan_run(run, accelerator) -> RunPlan:
         )
     counts = model_math.param_counts(run.model_config)
     return RunPlan(counts, model_math.model_flops_per_token(run.model_config, cfg.seq_len), peak_flops, peak_source)
+
+
+def source_passes(run) -> str:
+    """A mixture's share of the samples and passes over each source's training windows in the whole run."""
+    if len(run.data.sources) < 2:
+        return ""
+    given = mixture.counts(run.total_steps * run.batch.sequences_per_step, run.data.weights)
+    return "\ndata mix: " + "; ".join(
+        f"{s.name}: {float(w):.3g} of the samples, {n / s.n_windows if s.n_windows else 0:.3g} passes"
+        for s, w, n in zip(run.data.sources, run.data.weights, given)
+    )
 
 
 def print_plan(cfg, model_config) -> None:

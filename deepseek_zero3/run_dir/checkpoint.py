@@ -56,6 +56,8 @@ RESUME_CHANGEABLE = {
 RESUME_RETUNABLE = {"lr", "min_lr_ratio", "warmup_steps", "max_grad_norm", "step_timeout_s", "max_skipped_steps"}
 # The LR schedule's length; changing it on resume needs an explicit --lr_decay_steps (schedule_on_resume).
 SCHEDULE_LENGTH = {"max_steps", "num_epochs", "lr_decay_steps"}
+# What a checkpoint saved before a setting existed ran with, where that is not the setting's default now.
+BEFORE_THE_FIELD = {"document_masking": False}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -138,6 +140,7 @@ def config_for_resume(cfg, given: set[str], saved: dict):
     Returns (the run's Config, the settings taken from the checkpoint that differ from this command's, the retunable
     settings this command changes as {name: [the run's, this command's]})."""
     taken, changed = {}, {}
+    saved = {**BEFORE_THE_FIELD, **saved} if saved else saved
     for f in dataclasses.fields(cfg):
         if f.name not in saved or f.name in ("output_dir", "resume", "plan"):
             continue

@@ -22,6 +22,7 @@ import torch
 from deepseek_zero3.cli import UserError, write_atomic
 from deepseek_zero3.planning import model_math
 from deepseek_zero3.planning.model_math import GIB
+from deepseek_zero3.tokens import mixture
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -72,12 +73,35 @@ def metrics_record(run, parts, step: int, interval: Interval, last: dict) -> dic
         "epoch": step * run.batch.sequences_per_step / run.data.n_windows,
         "samples_seen": step * run.batch.sequences_per_step,
     }
+    record.update(source_tokens(run, step))
     record["skipped_steps"] = parts.skips.total
     if run.launch.precision == "fp16":
         record["loss_scale"] = fp16_loss_scale(parts.engine, accelerator.scaler)
     if parts.balancer:
         record.update(parts.balancer.metrics(accelerator))
     return record
+
+
+def source_tokens(run, step: int) -> dict:
+    """Training tokens each source has given by `step` (`tokens/<source>`), when the run mixes several."""
+    if len(run.data.sources) < 2:
+        return {}
+    given = mixture.counts(step * run.batch.sequences_per_step, run.data.weights)
+    return {f"tokens/{s.name}": n * run.batch.seq_len for s, n in zip(run.data.sources, given)}
+
+
+def validation_record(run, step: int, losses: dict[str, float]) -> tuple[dict, str]:
+    """The record and console line of a validation: `val_loss` is the sources' losses weighted as the mixture weights
+    them (one source: its loss), beside each source's own (`val_loss/<source>`) when there are several."""
+    weights = {s.name: w for s, w in zip(run.data.sources, run.data.weights) if w > 0 and s.name in losses}
+    total = sum(weights.values())
+    val = sum(float(w / total) * losses[name] for name, w in weights.items()) if total else float("nan")
+    record = {"step": step, "tokens": step * run.batch.tokens_per_step, "val_loss": val, "val_ppl": math.exp(val)}
+    console = f"step {step} | val loss {val:.4f} | val ppl {math.exp(val):.2f}"
+    if len(run.data.sources) > 1:
+        record.update({f"val_loss/{name}": loss for name, loss in losses.items()})
+        console += "".join(f" | {name} {loss:.4f}" for name, loss in losses.items())
+    return record, console
 
 
 def console_line(r: dict, total_steps: int) -> str:
@@ -105,13 +129,17 @@ def plot_losses(metrics_path: Path, png_path: Path) -> None:
     records, _ = read_metrics(metrics_path)
     train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    sources = sorted({k.split("/", 1)[1] for r in records for k in r if k.startswith("val_loss/")})
     balance = [r for r in records if "moe_maxvio_max" in r]
     fig, axes = plt.subplots(2 if balance else 1, 1, figsize=(7, 7 if balance else 4.2), sharex=True, squeeze=False)
     ax = axes[0, 0]
     if train:
         ax.plot(*zip(*train), label="train loss", lw=1)
     if val:
-        ax.plot(*zip(*val), "o-", label="validation loss", ms=4)
+        ax.plot(*zip(*val), "o-", label="validation loss" + (" (mixed)" if sources else ""), ms=4)
+    for name in sources:
+        points = [(r["step"], r[f"val_loss/{name}"]) for r in records if f"val_loss/{name}" in r]
+        ax.plot(*zip(*points), ".--", label=f"validation: {name}", ms=3, lw=1)
     ax.set(ylabel="cross-entropy (nats/token)", title=metrics_path.parent.name)
     if balance:
         steps = [r["step"] for r in balance]

@@ -1,0 +1,187 @@
+"""Sources kept apart, mixed by weight, and documents that attend only to themselves (issue #37).
+
+docs_data (conftest) holds two sources of very different sizes, so every multi-process proof elsewhere (3 processes
+== 1, accumulation, resume == straight, SIGTERM/SIGKILL, MoE) already runs on a mixture with document masking on.
+Here: the mixture's arithmetic, its refusals, the masked forward against each document scored alone, and one run
+mixed 0.5/0.5 that logs tokens and validation per source."""
+
+import json
+import shutil
+import sys
+from fractions import Fraction
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TINY, launch, metrics, run, train_records
+
+import train
+from deepseek_zero3.cli import UserError
+from deepseek_zero3.model import models
+from deepseek_zero3.tokens import mixture, token_data
+
+# --- the mixture's order ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [
+        (Fraction(1, 2), Fraction(1, 2)),
+        (Fraction(9, 10), Fraction(1, 10)),
+        (Fraction(7, 10), Fraction(0), Fraction(3, 10)),
+        (Fraction(123, 1000), Fraction(500, 1000), Fraction(377, 1000)),
+    ],
+    ids=str,
+)
+def test_every_prefix_holds_the_weights_to_one_sample(weights):
+    order = [mixture.position(g, weights) for g in range(2000)]
+    for s, w in enumerate(weights):
+        ks = [k for source, k in order if source == s]
+        assert ks == list(range(len(ks)))  # each source's samples in order, none skipped or repeated
+    for g in range(0, 2001, 7):
+        given = [sum(1 for source, _ in order[:g] if source == s) for s in range(len(weights))]
+        assert given == mixture.counts(g, weights)
+        assert all(abs(n - w * g) <= 1 for n, w in zip(given, weights)), (g, given)
+    assert [mixture.position(g, weights) for g in (1999, 7, 1999)] == [order[1999], order[7], order[1999]]  # pure
+
+
+def test_one_source_keeps_the_order_of_runs_before_mixtures():
+    assert [mixture.position(g, (Fraction(1),)) for g in (0, 5, 10**12)] == [(0, 0), (0, 5), (0, 10**12)]
+    assert token_data.sample_window(3, 17, 40) == token_data.sample_window(3, 17, 40, source=0)
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("python-docs=0.9,wiki=0.1", "no source is named 'wiki'; the sources are python-docs, web.jsonl"),
+        ("python-docs=-1,web.jsonl=1", "the weight of python-docs is negative"),
+        ("python-docs=0,web.jsonl=0", "gives every source weight 0"),
+        ("python-docs:0.5", "is not name=weight"),
+        ("python-docs=abc", "is not name=weight"),
+        ("python-docs=1,python-docs=2", "gives python-docs twice"),
+    ],
+)
+def test_bad_mixes_are_refused(spec, message):
+    with pytest.raises(UserError, match=message):
+        mixture.parse_mix(spec, ["python-docs", "web.jsonl"], [100, 10])
+
+
+def test_default_mix_is_proportional_and_left_out_sources_get_nothing():
+    assert mixture.parse_mix("", ["a", "b"], [300, 100]) == (Fraction(3, 4), Fraction(1, 4))
+    assert mixture.parse_mix("b=2", ["a", "b"], [300, 100]) == (Fraction(0), Fraction(1))
+
+
+# --- sources on disk ----------------------------------------------------------------------------------------------
+
+
+def test_sources_are_kept_apart_and_old_directories_are_one_source(docs_data, tmp_path):
+    meta = token_data.read_meta(docs_data)
+    ranges = token_data.source_ranges(meta)
+    assert [name for name, _ in ranges] == ["python-docs", "web.jsonl"]
+    train_tokens = token_data.load_split(docs_data, "train", meta)
+    for name, r in ranges:
+        start, end = r["train"]
+        assert end > start and train_tokens[end - 1] == meta["eos_id"]  # a source ends with its last document's EOS
+    assert ranges[1][1]["train"][1] == meta["splits"]["train"]["tokens"]
+    old = json.loads(json.dumps(meta))
+    for source in old["sources"]:
+        del source["tokens"], source["name"]
+    whole = {split: (0, c["tokens"]) for split, c in meta["splits"].items()}
+    assert token_data.source_ranges(old) == [("python-docs+web.jsonl", whole)]
+    old["sources"][0]["tokens"] = {"train": 5, "validation": 0}
+    old["sources"][1]["tokens"] = {"train": 5, "validation": 0}
+    with pytest.raises(UserError, match="per-source token counts"):
+        token_data.source_ranges(old)
+
+
+def test_directories_with_other_tokenizers_are_refused(docs_data, tmp_path):
+    other = tmp_path / "other"
+    web = docs_data.parent / "web.jsonl"
+    run([sys.executable, "prepare_data.py", "--dataset", web, "--tokenizer", "bpe:300", "--output_dir", other])
+    both = token_data.training_data(f"{docs_data},{docs_data}", 32, 2048)  # the same directory twice: names kept apart
+    names = ["python-docs", "web.jsonl", "python-docs/python-docs", "python-docs/web.jsonl"]
+    assert [s.name for s in both.sources] == names
+    with pytest.raises(UserError, match=r"prepared with tokenizer 'bpe:300' \(vocab 300.*prepare both with the same"):
+        token_data.training_data(f"{docs_data},{other}", 32, 2048)
+    tiny_source = tmp_path / "tiny-source"
+    shutil.copytree(docs_data, tiny_source)
+    meta = json.loads((tiny_source / "meta.json").read_text())
+    moved = meta["sources"][1]["tokens"]["train"] - 10  # web.jsonl keeps 10 training tokens, less than one window
+    meta["sources"][0]["tokens"]["train"] += moved
+    meta["sources"][1]["tokens"]["train"] -= moved
+    (tiny_source / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match="source web.jsonl has 10 training tokens, fewer than one window of --seq_len"):
+        token_data.training_data(str(tiny_source), 32, 2048, "python-docs=0.5,web.jsonl=0.5")
+    assert token_data.training_data(str(tiny_source), 32, 2048).weights == (1, 0)  # in proportion to its 0 windows
+
+
+# --- document masking ---------------------------------------------------------------------------------------------
+
+
+def test_document_positions_restart_after_each_eos():
+    rows = torch.tensor([[5, 6, 0, 7, 0, 0, 8, 9], [1, 2, 3, 4, 5, 6, 7, 0]])
+    assert token_data.document_positions(rows, 0).tolist() == [[0, 1, 2, 0, 1, 0, 0, 1], list(range(8))]
+
+
+@pytest.mark.parametrize("preset", ["tiny", "deepseek-v3-tiny"])
+def test_masked_forward_equals_each_document_alone(docs_data, preset):
+    """Windows of real data (two documents or more each) through train.py's get_batch: per-token losses of the masked
+    forward equal each document's own forward from position 0; with masking off they do not; and train.py's loss
+    (the chunked output layer) is their mean."""
+    seq_len, mix = 256, "python-docs=0.5,web.jsonl=0.5"
+    cfg = train.Config(data_dir=str(docs_data), seq_len=seq_len, seed=1, data_mix=mix)
+    data = token_data.training_data(cfg.data_dir, seq_len, 0, mix)
+    eos = data.meta["eos_id"]
+    model_config = models.load_model_config(preset, "", seq_len, data.meta)
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(model_config, attn_implementation="sdpa", dtype=torch.float32).eval()
+    ids = [i for i in range(400) if (token_data.sample_tokens(data, 1, i, seq_len)[:-2] == eos).any()][:4]
+    assert len(ids) == 4, "no windows with several documents"
+    inputs, targets, positions = train.get_batch(data, ids, cfg)
+    with torch.no_grad():
+        # as lmloss.model_nll calls it: with a cache (generation) transformers ignores packed position ids
+        logits = model(input_ids=inputs, position_ids=positions, use_cache=False).logits
+        per_token = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+        unmasked = F.cross_entropy(model(input_ids=inputs).logits.transpose(1, 2), targets, reduction="none")
+        alone = torch.zeros_like(per_token)
+        for row in range(len(ids)):
+            starts = [0] + [t + 1 for t in range(seq_len - 1) if inputs[row, t] == eos]
+            for a, b in zip(starts, starts[1:] + [seq_len]):
+                logits = model(input_ids=inputs[row : row + 1, a:b]).logits
+                alone[row, a:b] = F.cross_entropy(logits[0], targets[row, a:b], reduction="none")
+        loss = train.lm_loss(model, (inputs, targets, positions), cfg)
+    assert (per_token - alone).abs().max() < 1e-5
+    assert (unmasked - alone).abs().max() > 1e-2  # documents after the first see their predecessors unmasked
+    assert float(loss) == pytest.approx(float(per_token.mean()), rel=1e-5)
+
+
+# --- a run mixed 0.5 / 0.5 -----------------------------------------------------------------------------------------
+
+
+def test_run_mixes_sources_by_weight_and_reports_each(docs_data, tmp_path):
+    """3 ZeRO-3 processes, 6 sequences per step from two sources of very different sizes mixed 0.5/0.5: each step
+    takes exactly 3 of each; validation per source, its mixed loss their weighted mean; the plan's passes per source;
+    a run resumed mid-way logs the same counts; a name the data lacks is refused in one line."""
+    out = tmp_path / "mixed"
+    mix = ["--data_mix", "python-docs=0.5,web.jsonl=0.5"]
+    args = [*TINY, "--micro_batch_size", "2", "--data_dir", docs_data, "--output_dir", out, *mix, "--eval_every", "2"]
+    proc = launch(3, *args, "--max_steps", "2", "--lr_decay_steps", "4", "--save_every", "2")
+    assert "data mix: python-docs: 0.5 of the samples, " in proc.stdout
+    assert "; web.jsonl: 0.5 of the samples, " in proc.stdout
+    resumed = launch(3, "--output_dir", out, "--max_steps", "4", "--resume", "auto", "--data_dir", docs_data)
+    assert "resumed from" in resumed.stdout
+    steps = train_records(out)
+    assert sorted(steps) == [1, 2, 3, 4]
+    for step, r in steps.items():
+        assert r["tokens/python-docs"] == r["tokens/web.jsonl"] == step * 3 * 32
+    vals = [r for r in metrics(out) if "val_loss" in r]
+    assert [r["step"] for r in vals] == [0, 2, 4]
+    for r in vals:
+        assert r["val_loss"] == pytest.approx(0.5 * r["val_loss/python-docs"] + 0.5 * r["val_loss/web.jsonl"])
+    assert vals[-1]["val_loss/python-docs"] != vals[-1]["val_loss/web.jsonl"]
+    bad_args = [*TINY, "--data_dir", docs_data, "--output_dir", tmp_path / "bad", "--data_mix", "wiki=1"]
+    bad = run([sys.executable, "train.py", *bad_args], check=False)
+    assert bad.returncode == 2 and "error: --data_mix 'wiki=1': no source is named 'wiki'" in bad.stderr
+    assert not (tmp_path / "bad").exists()
