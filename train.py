@@ -33,7 +33,7 @@ import torch
 from deepseek_zero3 import cli, distributed
 from deepseek_zero3.cli import UserError, field
 from deepseek_zero3.model import models, moe
-from deepseek_zero3.model.lmloss import DEFAULT_CHUNK_TOKENS, loss_path, model_nll, validation_loss
+from deepseek_zero3.model.lmloss import DEFAULT_CHUNK_TOKENS, document_positions, loss_path, model_nll, validation_loss
 from deepseek_zero3.planning import plan
 from deepseek_zero3.run_dir import checkpoint, metrics, resilience
 from deepseek_zero3.tokens import token_data
@@ -170,7 +170,7 @@ def get_batch(data: token_data.TrainingData, ids: range, cfg: Config) -> tuple[t
     the positions restart at each document (its attention stays inside it), else they run 0..seq_len-1."""
     batch = torch.from_numpy(np.stack([token_data.sample_tokens(data, cfg.seed, i, cfg.seq_len) for i in ids]))
     inputs = batch[:, :-1]
-    positions = token_data.document_positions(inputs, data.meta["eos_id"]) if cfg.document_masking else None
+    positions = document_positions(inputs, data.meta["eos_id"]) if cfg.document_masking else None
     return inputs, batch[:, 1:], positions
 
 
@@ -209,6 +209,7 @@ class Run:
             "seq_len": self.cfg.seq_len,
             "seed": self.cfg.seed,
             "data_fingerprint": self.data.fingerprint,
+            "data_mix": {s.name: str(w) for s, w in zip(self.data.sources, self.data.weights)},
             "model_config_hash": checkpoint.config_hash(self.model_config),
             "precision": self.launch.precision,
             "zero_stage": self.launch.zero_stage,
@@ -216,7 +217,7 @@ class Run:
 
     def state_at(self, step: int, skipped_steps: int = 0) -> dict:
         """trainer_state.json of the checkpoint at `step`."""
-        data_dir = ",".join(str(Path(d.strip()).resolve()) for d in self.cfg.data_dir.split(",") if d.strip())
+        data_dir = ",".join(str(Path(d).resolve()) for d in token_data.data_dirs(self.cfg.data_dir))
         return {
             **self.identity(),
             "step": step,
@@ -267,7 +268,8 @@ def check(cfg: Config, given: set[str], accelerator) -> Run:
     if resume is not None:
         cfg, resume = checkpoint.resume_settings(cfg, given, resume, accelerator.print)
         check_flags(cfg)
-    data = token_data.training_data(cfg.data_dir, cfg.seq_len, cfg.eval_tokens, cfg.data_mix)
+    one_source = resume is not None and "data_mix" not in resume.state  # a run from before mixtures: as it read it
+    data = token_data.training_data(cfg.data_dir, cfg.seq_len, cfg.eval_tokens, cfg.data_mix, one_source)
     tokenizer = models.load_tokenizer(data.tokenizer_dir, "rebuild the data with prepare_data.py --overwrite")
     if resume is not None and (resume.path / "model_config.json").is_file():
         model_config = checkpoint.read_model_config(resume.path)
@@ -563,7 +565,7 @@ def run_plan(cfg: Config) -> int:
     """`train.py --plan [--compare]`: the plan for a config on paper, no process group and no GPU needed."""
     try:
         check_flags(cfg)
-        first = Path(cfg.data_dir.split(",")[0].strip())  # its vocabulary size; several directories share it
+        first = Path((token_data.data_dirs(cfg.data_dir) or [""])[0])  # its vocabulary size, shared by all
         meta = token_data.read_meta(first) if (first / "meta.json").is_file() else None
         plan.print_plan(cfg, models.load_model_config(cfg.model_config, cfg.init_from, cfg.seq_len, meta))
     except (OSError, KeyError, UserError) as e:

@@ -116,7 +116,7 @@ FAULTS = {
     "sigkill_in_save": "checkpoint.py: rank `rank` is killed after writing its shards of checkpoint `step`",
     "sigterm_in_save": "checkpoint.py: rank `rank` gets SIGTERM while checkpoint `step` is written",
     "enospc_in_save": "checkpoint.py: rank `rank` finds its disk full (ENOSPC) writing checkpoint `step`",
-    "corrupt_link": "plan.py: rank `rank` sees one changed integer in the link check at start (`step` 0)",
+    "corrupt_link": "measure.py: rank `rank` sees one changed integer in the link check at start (`step` 0)",
     "fsize_in_export": "checkpoint.py: rank `rank` writes OUT/final under a 64 KB file size limit (`step` 0)",
 }
 SIGNALS = {"sigkill_rank": signal.SIGKILL, "sigstop_rank": signal.SIGSTOP, "sigkill_in_save": signal.SIGKILL}

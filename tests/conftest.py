@@ -181,7 +181,8 @@ def moe_ref(docs_data, tmp_path_factory):
 
 def reloaded_model(final_dir, data_dir) -> dict:
     """OUT/final in a fresh process, as a user loads it: its class, its mean loss on the first 2048 validation tokens in
-    32-token windows (what train.py's runs here log as val_loss), and the length of a greedy 4-token continuation."""
+    32-token windows, each document attending to itself (what train.py's runs here log as val_loss/python-docs, the
+    first source), and the length of a greedy 4-token continuation."""
     script = f"""
 import sys; sys.path.insert(0, "."); import json, torch, numpy as np
 from deepseek_zero3.tokens import token_data
@@ -192,7 +193,8 @@ tokens = token_data.load_split("{data_dir}", "validation")[: 2048 + 1]
 n = token_data.num_windows(len(tokens), 32)
 rows = torch.from_numpy(np.stack([token_data.window(tokens, i, 32) for i in range(n)]))
 with torch.no_grad():
-    nll, n = lmloss.nll_sum(m(input_ids=rows[:, :-1]).logits, rows[:, 1:])
+    positions = lmloss.document_positions(rows[:, :-1], token_data.read_meta("{data_dir}")["eos_id"])
+    nll, n = lmloss.nll_sum(m(input_ids=rows[:, :-1], position_ids=positions, use_cache=False).logits, rows[:, 1:])
     generated = m.generate(rows[:1, :8], max_new_tokens=4, do_sample=False)
 print(json.dumps({{"class": type(m).__name__, "dtype": str(m.dtype), "val_loss": float(nll / n),
                   "generated": generated.shape[1]}}))

@@ -87,8 +87,8 @@ def test_train_lm_loss_takes_the_path_its_flag_names(monkeypatch):
     monkeypatch.setattr(lmloss.ChunkedLinearNLL, "apply", lambda *a: calls.append(a[3]) or apply(*a))
     model = build("tiny", False)
     inputs, targets = torch.randint(0, 1000, (2, 32)), torch.randint(0, 1000, (2, 32))
-    full = train.lm_loss(model, inputs, targets, train.Config(loss_chunk_tokens=0))
-    chunked = train.lm_loss(model, inputs, targets, train.Config(loss_chunk_tokens=16))
+    full = train.lm_loss(model, (inputs, targets, None), train.Config(loss_chunk_tokens=0))
+    chunked = train.lm_loss(model, (inputs, targets, None), train.Config(loss_chunk_tokens=16))
     assert calls == [16] and float(chunked) == pytest.approx(float(full), rel=1e-6)
     assert train.Config().loss_chunk_tokens == lmloss.DEFAULT_CHUNK_TOKENS > 0
     assert "chunks of 16 tokens" in lmloss.loss_path(16, torch.device("cpu"))

@@ -17,7 +17,8 @@ from conftest import TINY, launch, metrics, run, train_records
 
 import train
 from deepseek_zero3.cli import UserError
-from deepseek_zero3.model import models
+from deepseek_zero3.model import lmloss, models
+from deepseek_zero3.run_dir import checkpoint
 from deepseek_zero3.tokens import mixture, token_data
 
 # --- the mixture's order ------------------------------------------------------------------------------------------
@@ -54,10 +55,11 @@ def test_one_source_keeps_the_order_of_runs_before_mixtures():
     "spec, message",
     [
         ("python-docs=0.9,wiki=0.1", "no source is named 'wiki'; the sources are python-docs, web.jsonl"),
-        ("python-docs=-1,web.jsonl=1", "the weight of python-docs is negative"),
+        ("python-docs=-1,web.jsonl=1", "the weight of python-docs, '-1', is not a number of 0 or more"),
+        ("python-docs=inf", "the weight of python-docs, 'inf', is not a number of 0 or more"),
         ("python-docs=0,web.jsonl=0", "gives every source weight 0"),
         ("python-docs:0.5", "is not name=weight"),
-        ("python-docs=abc", "is not name=weight"),
+        ("python-docs=abc", "the weight of python-docs, 'abc', is not a number"),
         ("python-docs=1,python-docs=2", "gives python-docs twice"),
     ],
 )
@@ -95,14 +97,18 @@ def test_sources_are_kept_apart_and_old_directories_are_one_source(docs_data, tm
 
 
 def test_directories_with_other_tokenizers_are_refused(docs_data, tmp_path):
-    other = tmp_path / "other"
+    """The same --tokenizer spec is not the same tokenizer: a BPE trained on other text maps ids to other tokens."""
     web = docs_data.parent / "web.jsonl"
-    run([sys.executable, "prepare_data.py", "--dataset", web, "--tokenizer", "bpe:300", "--output_dir", other])
-    both = token_data.training_data(f"{docs_data},{docs_data}", 32, 2048)  # the same directory twice: names kept apart
-    names = ["python-docs", "web.jsonl", "python-docs/python-docs", "python-docs/web.jsonl"]
-    assert [s.name for s in both.sources] == names
-    with pytest.raises(UserError, match=r"prepared with tokenizer 'bpe:300' \(vocab 300.*prepare both with the same"):
+    other, shared = tmp_path / "other", tmp_path / "shared"
+    run([sys.executable, "prepare_data.py", "--dataset", web, "--tokenizer", "bpe:512", "--output_dir", other])
+    tokenizer = docs_data / "tokenizer"
+    run([sys.executable, "prepare_data.py", "--dataset", web, "--tokenizer", tokenizer, "--output_dir", shared])
+    both = token_data.training_data(f"{docs_data},{shared}", 32, 2048)
+    assert [s.name for s in both.sources] == ["python-docs", "web.jsonl", "shared/web.jsonl"]
+    with pytest.raises(UserError, match=r"prepared with different tokenizers .*--tokenizer .*python-docs/tokenizer"):
         token_data.training_data(f"{docs_data},{other}", 32, 2048)
+    with pytest.raises(UserError, match="names a directory twice"):
+        token_data.training_data(f"{docs_data},{docs_data}/", 32, 2048)
     tiny_source = tmp_path / "tiny-source"
     shutil.copytree(docs_data, tiny_source)
     meta = json.loads((tiny_source / "meta.json").read_text())
@@ -120,7 +126,7 @@ def test_directories_with_other_tokenizers_are_refused(docs_data, tmp_path):
 
 def test_document_positions_restart_after_each_eos():
     rows = torch.tensor([[5, 6, 0, 7, 0, 0, 8, 9], [1, 2, 3, 4, 5, 6, 7, 0]])
-    assert token_data.document_positions(rows, 0).tolist() == [[0, 1, 2, 0, 1, 0, 0, 1], list(range(8))]
+    assert lmloss.document_positions(rows, 0).tolist() == [[0, 1, 2, 0, 1, 0, 0, 1], list(range(8))]
 
 
 @pytest.mark.parametrize("preset", ["tiny", "deepseek-v3-tiny"])
@@ -162,16 +168,15 @@ def test_masked_forward_equals_each_document_alone(docs_data, preset):
 
 def test_run_mixes_sources_by_weight_and_reports_each(docs_data, tmp_path):
     """3 ZeRO-3 processes, 6 sequences per step from two sources of very different sizes mixed 0.5/0.5: each step
-    takes exactly 3 of each; validation per source, its mixed loss their weighted mean; the plan's passes per source;
-    a run resumed mid-way logs the same counts; a name the data lacks is refused in one line."""
+    takes exactly 3 of each; validation per source, the mixed loss their weighted mean; the plan's passes per source;
+    a name the data lacks is refused in one line. (Resume == straight and 3 processes == 1 on a mixture: test_train's
+    runs, whose docs_data is two sources.)"""
     out = tmp_path / "mixed"
     mix = ["--data_mix", "python-docs=0.5,web.jsonl=0.5"]
     args = [*TINY, "--micro_batch_size", "2", "--data_dir", docs_data, "--output_dir", out, *mix, "--eval_every", "2"]
-    proc = launch(3, *args, "--max_steps", "2", "--lr_decay_steps", "4", "--save_every", "2")
+    proc = launch(3, *args, "--max_steps", "4")
     assert "data mix: python-docs: 0.5 of the samples, " in proc.stdout
     assert "; web.jsonl: 0.5 of the samples, " in proc.stdout
-    resumed = launch(3, "--output_dir", out, "--max_steps", "4", "--resume", "auto", "--data_dir", docs_data)
-    assert "resumed from" in resumed.stdout
     steps = train_records(out)
     assert sorted(steps) == [1, 2, 3, 4]
     for step, r in steps.items():
@@ -185,3 +190,23 @@ def test_run_mixes_sources_by_weight_and_reports_each(docs_data, tmp_path):
     bad = run([sys.executable, "train.py", *bad_args], check=False)
     assert bad.returncode == 2 and "error: --data_mix 'wiki=1': no source is named 'wiki'" in bad.stderr
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_checkpoint_from_before_mixtures_resumes_as_it_ran(docs_data, tmp_path):
+    """A checkpoint whose trainer_state has no data_mix (train.py before mixtures) read its directory as one stream and
+    trained unmasked: resumed, it goes on that way, whatever the directory's meta.json now says."""
+    out = tmp_path / "old"
+    args = [*TINY, "--micro_batch_size", "2", "--max_steps", "2", "--save_every", "2", "--data_dir", docs_data,
+            "--output_dir", out, "--no_document_masking"]  # fmt: skip
+    run([sys.executable, "train.py", *args])
+    state_path = out / "checkpoints" / "step_2" / "trainer_state.json"
+    state = json.loads(state_path.read_text())
+    del state["data_mix"], state["config"]["data_mix"], state["config"]["document_masking"]
+    state_path.write_text(json.dumps(state))
+    checkpoint.write_manifest(state_path.parent)  # as that train.py wrote it
+    resume = ["--output_dir", out, "--max_steps", "3", "--resume", "auto", "--lr_decay_steps", "2"]
+    proc = run([sys.executable, "train.py", *resume])
+    assert "settings from step_2:" in proc.stdout and "--no_document_masking" in proc.stdout
+    assert "data mix:" not in proc.stdout  # one source: python-docs+web.jsonl
+    saved = json.loads((out / "checkpoints" / "step_3" / "trainer_state.json").read_text())
+    assert saved["data_mix"] == {"python-docs+web.jsonl": "1"} and saved["config"]["document_masking"] is False

@@ -116,7 +116,7 @@ def test_bias_balancing_lowers_maxvio(moe_ref, docs_data, tmp_path):
 
 def test_exported_moe_reloads_generates_and_scores(moe_ref, docs_data):
     out = moe_ref[0]
-    val = [r for r in metrics(out) if "val_loss" in r][-1]["val_loss"]
+    val = [r for r in metrics(out) if "val_loss" in r][-1]["val_loss/python-docs"]
     reloaded = reloaded_model(out / "final", docs_data)
     name, fresh, length = reloaded["class"], reloaded["val_loss"], reloaded["generated"]
     assert name == "DeepseekV3ForCausalLM" and length == 12

@@ -67,13 +67,12 @@ def test_the_parser_check_fails_on_a_wrong_flag():
         raise AssertionError(f"{bad} parsed")
 
 
-def test_every_gpu_training_command_fits_its_gpus():
+def test_every_gpu_training_command_fits_its_gpus(capsys):
     """Each `accelerate launch ... train.py` of the README on a GPU config, planned as a user would before launching
-    it (`train.py --plan` with the same config and flags): the memory it needs per GPU fits the GPU. Two of them
-    lacked the micro-batch and checkpointing flags that make 1.3B fit (43 of 24 GiB: issue #35)."""
-    import sys
-
-    from conftest import run
+    it (`train.py --plan` with the same config and flags; train.main in this process, which is what `python train.py`
+    runs): the memory it needs per GPU fits the GPU. Two of them lacked the micro-batch and checkpointing flags that
+    make 1.3B fit (43 of 24 GiB: issue #35)."""
+    import train
 
     planned = 0
     for cmd in readme_commands():
@@ -83,8 +82,9 @@ def test_every_gpu_training_command_fits_its_gpus():
         config = cmd[cmd.index("--config_file") + 1]
         if "cpu" in Path(config).name:  # CPU runs: small presets, and their plan times the model on this machine
             continue
-        proc = run([sys.executable, "train.py", "--plan", "--accelerate_config", config, *cmd[at + 1 :]])
-        need = re.search(r"needs ([\d.]+) GiB of ([\d.]+) GiB per GPU", proc.stdout)
-        assert need and float(need[1]) <= float(need[2]), (" ".join(cmd), proc.stdout[-2000:])
+        assert train.main(["--plan", "--accelerate_config", config, *cmd[at + 1 :]]) == 0, " ".join(cmd)
+        stdout = capsys.readouterr().out
+        need = re.search(r"needs ([\d.]+) GiB of ([\d.]+) GiB per GPU", stdout)
+        assert need and float(need[1]) <= float(need[2]), (" ".join(cmd), stdout[-2000:])
         planned += 1
     assert planned >= 4

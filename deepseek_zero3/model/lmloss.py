@@ -32,6 +32,18 @@ def nll_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, 
     return nll.double(), (targets != -100).sum().double()
 
 
+def document_positions(inputs: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Position ids that restart at 0 at each document's first token: the window's first token and every token after
+    an EOS (prepare_data.py appends one to each document, so the EOS closes its document). Handed to a transformers
+    model with no attention mask, they make its attention block-causal, each token seeing only its own document
+    (transformers' packed-sequence path: masking_utils.find_packed_sequence_indices for SDPA and eager, varlen for
+    flash attention)."""
+    index = torch.arange(inputs.shape[-1], device=inputs.device).expand_as(inputs)
+    starts = torch.ones_like(inputs, dtype=torch.bool)
+    starts[..., 1:] = inputs[..., :-1] == eos_id
+    return index - torch.where(starts, index, torch.zeros_like(index)).cummax(-1).values
+
+
 @torch.no_grad()
 def validation_loss(
     model,
@@ -43,7 +55,7 @@ def validation_loss(
     eos_id: int | None = None,
 ) -> float:
     """Mean next-token loss over non-overlapping windows of the validation tokens, split over all processes; with
-    eos_id, each document of a window attends only to itself (token_data.document_positions), as training does.
+    eos_id, each document of a window attends only to itself (document_positions), as training does.
 
     Every process runs the same number of forward passes (ZeRO-3 gathers parameters collectively); a process with
     fewer windows pads with a repeat whose tokens carry no weight.
@@ -62,7 +74,7 @@ def validation_loss(
         targets = rows[:, 1:].clone()
         targets[[i for i, w in enumerate(chunk) if w is None]] = -100
         inputs = rows[:, :-1].to(accelerator.device)
-        positions = token_data.document_positions(inputs, eos_id) if eos_id is not None else None
+        positions = document_positions(inputs, eos_id) if eos_id is not None else None
         nll, n = model_nll(model, inputs, targets.to(accelerator.device), chunk_tokens, positions)
         total += torch.stack([nll, n])
     total = accelerator.reduce(total, "sum")
@@ -220,7 +232,7 @@ def model_nll(
     model, inputs: torch.Tensor, targets: torch.Tensor, chunk_tokens: int, position_ids: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """nll_sum of a causal LM's next-token predictions (targets of -100 are not scored); position_ids restarting at a
-    document's first token keep each document's attention to itself (token_data.document_positions).
+    document's first token keep each document's attention to itself (document_positions).
 
     With chunk_tokens > 0 the model runs its own forward (ZeRO-3's hooks gather the output weight once, as for its
     logits, and once again in backward), but its output layer, while called, returns the summed NLL of its hidden

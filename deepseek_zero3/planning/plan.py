@@ -16,6 +16,7 @@ from deepseek_zero3.distributed import read_launch
 from deepseek_zero3.planning import costs, measure, model_math
 from deepseek_zero3.planning.model_math import GIB
 from deepseek_zero3.tokens import mixture
+from deepseek_zero3.tokens.token_data import num_windows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +85,10 @@ def source_passes(run) -> str:
     if len(run.data.sources) < 2:
         return ""
     given = mixture.counts(run.total_steps * run.batch.sequences_per_step, run.data.weights)
+    unvalidated = " (no validation window: not in val_loss)"
     return "\ndata mix: " + "; ".join(
         f"{s.name}: {float(w):.3g} of the samples, {n / s.n_windows if s.n_windows else 0:.3g} passes"
+        + ("" if num_windows(len(s.val_tokens), run.batch.seq_len) else unvalidated)
         for s, w, n in zip(run.data.sources, run.data.weights, given)
     )
 

@@ -27,29 +27,13 @@ from deepseek_zero3.model import models
 from deepseek_zero3.run_dir.metrics import append, read_metrics, truncate_metrics
 
 # Settings that change what a run reports or where it reads and writes, not what it trains: free to change on resume.
+# data_mix as written: the weights it gives are in the run's identity.
 RESUME_CHANGEABLE = {
-    "data_dir",
-    "log_every",
-    "eval_every",
-    "eval_at_start",
-    "eval_tokens",
-    "save_every",
-    "keep_last",
-    "accelerate_config",
-    "assumed_mfu",
-    "interconnect_gb_s",
-    "pcie_gb_s",
-    "nvme_gb_s",
-    "gpu_memory_gib",
-    "host_memory_gib",
-    "compare",
-    "gradient_accumulation_steps",
-    "ignore_memory_plan",
-    "log_with",
-    "gradient_checkpointing",
-    "attn_implementation",
-    "loss_chunk_tokens",
-}
+    "data_dir", "data_mix", "log_every", "eval_every", "eval_at_start", "eval_tokens", "save_every", "keep_last",
+    "accelerate_config", "assumed_mfu", "interconnect_gb_s", "pcie_gb_s", "nvme_gb_s", "gpu_memory_gib",
+    "host_memory_gib", "compare", "gradient_accumulation_steps", "ignore_memory_plan", "log_with",
+    "gradient_checkpointing", "attn_implementation", "loss_chunk_tokens",
+}  # fmt: skip
 # What the run's own messages advise after a divergence or a hang: a resume may change them, and metrics.jsonl records
 # the change at that step. (Weight decay, betas and epsilon are not among them: the checkpoint's optimizer state
 # brings its own back.)
@@ -152,10 +136,17 @@ def config_for_resume(cfg, given: set[str], saved: dict):
             changed[f.name] = [saved[f.name], ours]
         elif ours != saved[f.name] and f.name not in RESUME_CHANGEABLE | SCHEDULE_LENGTH:
             raise UserError(
-                f"cannot resume: the run was trained with --{f.name} {saved[f.name]}, this command gives "
-                f"--{f.name} {ours}; drop --{f.name} to keep the run's setting, or {fresh_start(cfg.output_dir)}"
+                f"cannot resume: the run was trained with {flag(f.name, saved[f.name])}, this command gives "
+                f"{flag(f.name, ours)}; drop it to keep the run's setting, or {fresh_start(cfg.output_dir)}"
             )
     return dataclasses.replace(cfg, **taken), taken, changed
+
+
+def flag(name: str, value) -> str:
+    """A setting as the command line spells it: --name value, --name / --no_name for a switch, --name '' for none."""
+    if isinstance(value, bool):
+        return f"--{name}" if value else f"--no_{name}"
+    return f"--{name} {value if value != '' else repr(value)}"
 
 
 def resume_settings(cfg, given: set[str], resume: Resume, say):
@@ -163,7 +154,7 @@ def resume_settings(cfg, given: set[str], resume: Resume, say):
     changes, which metrics.jsonl records)."""
     cfg, taken, changed = config_for_resume(cfg, given, resume.state.get("config", {}))
     if taken:
-        say(f"settings from {resume.path.name}: " + " ".join(f"--{k} {v}" for k, v in taken.items()))
+        say(f"settings from {resume.path.name}: " + " ".join(flag(k, v) for k, v in taken.items()))
     if changed:
         say(f"changed from {resume.path.name}: " + ", ".join(f"--{k} {a} -> {b}" for k, (a, b) in changed.items()))
     return cfg, dataclasses.replace(resume, changed=changed)

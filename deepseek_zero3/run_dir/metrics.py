@@ -139,8 +139,8 @@ def plot_losses(metrics_path: Path, png_path: Path) -> None:
         ax.plot(*zip(*val), "o-", label="validation loss" + (" (mixed)" if sources else ""), ms=4)
     for name in sources:
         points = [(r["step"], r[f"val_loss/{name}"]) for r in records if f"val_loss/{name}" in r]
-        ax.plot(*zip(*points), ".--", label=f"validation: {name}", ms=3, lw=1)
-    ax.set(ylabel="cross-entropy (nats/token)", title=metrics_path.parent.name)
+        ax.plot(*zip(*points), ".--", label=f"validation: {name}".replace("$", r"\$"), ms=3, lw=1)  # not mathtext
+    ax.set(ylabel="cross-entropy (nats/token)", title=metrics_path.parent.name.replace("$", r"\$"))
     if balance:
         steps = [r["step"] for r in balance]
         bottom = axes[1, 0]

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from deepseek_zero3.cli import UserError
 from deepseek_zero3.run_dir import checkpoint
+from deepseek_zero3.tokens import token_data
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,15 +83,17 @@ def newest_checkpoint(name: str, out: Path, tokenizer: str = "") -> RunCheckpoin
 def tokenizer_dir(name: str, ckpt: Path, state: dict) -> Path:
     """The tokenizer the run was trained with: its data directory's, when that still holds the data the run read
     (same fingerprint), else the run's final/ export (saved from the same tokenizer)."""
-    data_dir = Path(str(state.get("data_dir") or state.get("config", {}).get("data_dir", "")))
+    data_dir = str(state.get("data_dir") or state.get("config", {}).get("data_dir", ""))
+    dirs = [Path(d) for d in token_data.data_dirs(data_dir)]  # a mixture of several: the first one's tokenizer
     found = None
-    if str(data_dir) and (data_dir / "tokenizer").is_dir():
+    if dirs and (dirs[0] / "tokenizer").is_dir():
         try:
-            fingerprint = json.loads((data_dir / "meta.json").read_text()).get("fingerprint")
-        except (OSError, ValueError, AttributeError):
+            metas = [json.loads((d / "meta.json").read_text()) for d in dirs]
+            fingerprint = token_data.fingerprint([m["fingerprint"] for m in metas])
+        except (OSError, ValueError, TypeError, KeyError):
             fingerprint = None
         if fingerprint is not None and fingerprint == state.get("data_fingerprint"):
-            return data_dir / "tokenizer"
+            return dirs[0] / "tokenizer"
         found = f"{data_dir} no longer holds the data the run read (its meta.json fingerprint is not the checkpoint's)"
     final = ckpt.parent.parent / "final"
     if (final / "tokenizer_config.json").is_file() or (final / "tokenizer.json").is_file():

@@ -12,6 +12,7 @@ A single source reduces to k = g, the sample order of runs before mixtures exist
 
 from __future__ import annotations
 
+import decimal
 import math
 from fractions import Fraction
 
@@ -70,19 +71,20 @@ def parse_mix(spec: str, names: list[str], windows: list[int]) -> tuple[Fraction
     given: dict[str, Fraction] = {}
     for item in spec.split(","):
         name, sep, value = (part.strip() for part in item.strip().rpartition("="))
-        try:
-            weight = Fraction(value) if sep and name else None
-        except (ValueError, ZeroDivisionError):
-            weight = None
-        if weight is None:
+        if not (sep and name):
             raise UserError(f"--data_mix {spec!r}: {item.strip()!r} is not name=weight (e.g. {names[0]}=0.5)")
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if not math.isfinite(number) or number < 0:
+            raise UserError(f"--data_mix {spec!r}: the weight of {name}, {value!r}, is not a number of 0 or more")
         if name not in names:
             raise UserError(f"--data_mix {spec!r}: no source is named {name!r}; the sources are {', '.join(names)}")
-        if weight < 0:
-            raise UserError(f"--data_mix {spec!r}: the weight of {name} is negative; weights are 0 or more")
         if name in given:
             raise UserError(f"--data_mix {spec!r} gives {name} twice; give each source one weight")
-        given[name] = weight
+        exact = decimal.Decimal(value)  # "0.1" as 1/10, not its float; an exponent past 40 as the float
+        given[name] = Fraction(exact) if abs(exact.as_tuple().exponent) <= 40 else Fraction(number)
     weights = [given.get(name, Fraction(0)) for name in names]
     if not any(weights):
         raise UserError(f"--data_mix {spec!r} gives every source weight 0; give at least one a positive weight")

@@ -9,7 +9,6 @@ one optimizer step takes (the batch plan).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import math
@@ -17,7 +16,6 @@ from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from deepseek_zero3.cli import UserError
 from deepseek_zero3.tokens import mixture
@@ -119,9 +117,19 @@ def window(tokens: np.ndarray, index: int, seq_len: int) -> np.ndarray:
     return np.asarray(tokens[start : start + seq_len + 1], dtype=np.int64)
 
 
-@functools.lru_cache(maxsize=8)
+_PERMUTATIONS: dict[tuple[int, int, int], dict[int, np.ndarray]] = {}  # (seed, n, source): {epoch: window order}
+
+
 def _epoch_permutation(seed: int, epoch: int, n: int, source: int = 0) -> np.ndarray:
-    return np.random.default_rng([seed, epoch] if source == 0 else [seed, epoch, source]).permutation(n)
+    """The window order of one epoch of a source. Each source keeps its last two (a mixture visits the sources in
+    turn; a batch can straddle an epoch's end)."""
+    kept = _PERMUTATIONS.setdefault((seed, n, source), {})
+    if epoch not in kept:
+        rng = np.random.default_rng([seed, epoch] if source == 0 else [seed, epoch, source])
+        kept[epoch] = rng.permutation(n)
+        for old in sorted(kept)[:-2]:
+            del kept[old]
+    return kept[epoch]
 
 
 def sample_window(seed: int, sample: int, n_windows: int, source: int = 0) -> tuple[int, int]:
@@ -155,50 +163,47 @@ def total_steps_for(max_steps: int, num_epochs: float, n_windows: int, sequences
     return max(1, math.ceil(num_epochs * n_windows / sequences_per_step))
 
 
-def document_positions(inputs: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """Position ids that restart at 0 at each document's first token: the window's first token and every token after
-    an EOS (prepare_data.py appends one to each document, so the EOS closes its document). Handed to a transformers
-    model with no attention mask, they make its attention block-causal, each token seeing only its own document
-    (transformers' packed-sequence path: masking_utils.find_packed_sequence_indices for SDPA and eager, varlen for
-    flash attention)."""
-    index = torch.arange(inputs.shape[-1], device=inputs.device).expand_as(inputs)
-    starts = torch.ones_like(inputs, dtype=torch.bool)
-    starts[..., 1:] = inputs[..., :-1] == eos_id
-    return index - torch.where(starts, index, torch.zeros_like(index)).cummax(-1).values
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # What train.py reads: the sources of one or several prepared directories
 # ---------------------------------------------------------------------------------------------------------------------
 
 
 def source_name(spec: str) -> str:
-    """A source's name as the user gave it: a preset's name, or a file's or directory's name."""
-    return Path(spec.rstrip("/")).name if ("/" in spec or Path(spec).exists()) else spec
+    """A source's name as the user gave it: a preset's name, or a file's or directory's name (',' and '=', which
+    --data_mix uses, become '_')."""
+    name = Path(spec.rstrip("/")).name if ("/" in spec or Path(spec).exists()) else spec
+    return name.replace(",", "_").replace("=", "_")
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def source_ranges(meta: dict) -> list[tuple[str, dict[str, tuple[int, int]]]]:
     """(name, {split: (first token, end)}) of each source in the token files, which hold the sources one after the
     other. A directory prepared before sources were counted apart is one source (its names joined by '+')."""
     sources = meta.get("sources") if isinstance(meta.get("sources"), list) else []
-    names = [s.get("name") or source_name(str(s.get("spec", "data"))) for s in sources if isinstance(s, dict)]
-    counted = sources and all(isinstance(s, dict) and isinstance(s.get("tokens"), dict) for s in sources)
+    sources = [s for s in sources if isinstance(s, dict)]
+    names = [source_name(str(s.get("spec", "data"))) for s in sources]
+    counted = sources and all("tokens" in s for s in sources)
     if not counted:
         whole = {split: (0, c["tokens"]) for split, c in meta["splits"].items()}
         return [("+".join(names) or "data", whole)]
+    damaged = "meta.json's per-source token counts are damaged ({}); rebuild it with prepare_data.py --overwrite"
     out, start = [], dict.fromkeys(meta["splits"], 0)
-    for name, source in zip(names, sources):
+    for source in sources:
+        tokens, name = source["tokens"], source.get("name")
+        if not (isinstance(tokens, dict) and all(_count(tokens.get(split, 0)) for split in meta["splits"])):
+            raise UserError(damaged.format(f"{source.get('spec')!r}: {tokens!r}"))
+        if not (isinstance(name, str) and name and name == source_name(name)):
+            raise UserError(damaged.format(f"a source named {name!r}"))
         ranges = {}
         for split in meta["splits"]:
-            n = source["tokens"].get(split, 0)
-            ranges[split] = (start[split], start[split] + n)
-            start[split] += n
+            ranges[split] = (start[split], start[split] + tokens.get(split, 0))
+            start[split] += tokens.get(split, 0)
         out.append((name, ranges))
     if start != {split: c["tokens"] for split, c in meta["splits"].items()}:
-        raise UserError(
-            f"meta.json's per-source token counts ({start}) do not add up to its splits'; rebuild it with "
-            "prepare_data.py --overwrite"
-        )
+        raise UserError(damaged.format(f"they add up to {start}, not to the splits' tokens"))
     return out
 
 
@@ -225,30 +230,45 @@ class TrainingData:
         return sum(s.n_windows for s in self.sources)
 
 
-def training_data(data_dir: str, seq_len: int, eval_tokens: int, data_mix: str = "") -> TrainingData:
+def data_dirs(data_dir: str) -> list[str]:
+    """--data_dir as directories: one, or several comma-separated (a directory whose own name has a comma is one)."""
+    if Path(data_dir).is_dir():
+        return [data_dir]
+    return [d.strip() for d in data_dir.split(",") if d.strip()]
+
+
+def training_data(data_dir: str, seq_len: int, eval_tokens: int, data_mix: str = "", one_source: bool = False):
     """What train.py reads from one prepare_data.py directory or several (comma-separated, prepared with the same
     tokenizer), memory-mapped once: each directory's sources and their weights in the mixture, after checking every
-    split holds at least one window of seq_len + 1 tokens, and so does every source the mixture draws from."""
-    dirs = [d.strip() for d in data_dir.split(",") if d.strip()]
+    split holds at least one window of seq_len + 1 tokens, and so does every source the mixture draws from.
+    one_source: each directory read as one source, as runs before mixtures read it (a checkpoint of such a run)."""
+    dirs = data_dirs(data_dir)
     if not dirs:
         raise UserError(f"--data_dir {data_dir!r} names no directory; create one with prepare_data.py")
+    if len({Path(d).resolve() for d in dirs}) < len(dirs):
+        raise UserError(f"--data_dir {data_dir} names a directory twice; weight its sources with --data_mix instead")
     sources, metas = [], []
     for d in dirs:
         meta, splits = _checked_dir(d, seq_len)
-        if metas and _tokenizer_of(meta) != _tokenizer_of(metas[0]):
+        if metas and _tokenizer_of(d, meta) != _tokenizer_of(dirs[0], metas[0]):
             raise UserError(
-                f"--data_dir: {d} was prepared with tokenizer {meta.get('tokenizer')!r} (vocab {meta['vocab_size']}, "
-                f"EOS {meta['eos_id']}), {dirs[0]} with {metas[0].get('tokenizer')!r} (vocab "
-                f"{metas[0]['vocab_size']}, EOS {metas[0]['eos_id']}); prepare both with the same --tokenizer"
+                f"--data_dir: {d} and {dirs[0]} were prepared with different tokenizers ({meta.get('tokenizer')!r} "
+                f"and {metas[0].get('tokenizer')!r}; their tokenizer/ files differ); prepare the second with "
+                f"--tokenizer {Path(dirs[0]) / 'tokenizer'}"
             )
         metas.append(meta)
-        for name, ranges in source_ranges(meta):
-            train = splits["train"][slice(*ranges["train"])]
-            val = splits["validation"][slice(*ranges["validation"])]
+        ranges = source_ranges(meta)
+        if one_source:
+            ranges = [("+".join(name for name, _ in ranges), {s: (0, c["tokens"]) for s, c in meta["splits"].items()})]
+        for name, r in ranges:
+            train = splits["train"][slice(*r["train"])]
+            val = splits["validation"][slice(*r["validation"])]
             val = val[: eval_tokens + 1] if eval_tokens else val
             taken = {s.name for s in sources}
-            name = name if name not in taken else f"{Path(d).name}/{name}"
-            sources.append(Source(name, train, val, num_windows(len(train), seq_len)))
+            unique = name if name not in taken else f"{Path(d).name}/{name}"
+            unique = next(f"{unique}-{i}" for i in range(2, len(taken) + 3) if f"{unique}-{i}" not in taken) \
+                if unique in taken else unique  # fmt: skip
+            sources.append(Source(unique, train, val, num_windows(len(train), seq_len)))
     weights = mixture.parse_mix(data_mix, [s.name for s in sources], [s.n_windows for s in sources])
     for source, weight in zip(sources, weights):
         if weight > 0 and source.n_windows < 1:
@@ -256,11 +276,13 @@ def training_data(data_dir: str, seq_len: int, eval_tokens: int, data_mix: str =
                 f"source {source.name} has {len(source.train_tokens)} training tokens, fewer than one window of "
                 f"--seq_len {seq_len} + 1; give it weight 0 in --data_mix, lower --seq_len, or add data"
             )
-    if len(dirs) == 1:
-        fingerprint = metas[0]["fingerprint"]
-    else:
-        fingerprint = hashlib.sha256(json.dumps([m["fingerprint"] for m in metas]).encode()).hexdigest()
-    return TrainingData(metas[0], sources, weights, fingerprint, Path(dirs[0]) / "tokenizer")
+    data_print = fingerprint([m["fingerprint"] for m in metas])
+    return TrainingData(metas[0], sources, weights, data_print, Path(dirs[0]) / "tokenizer")
+
+
+def fingerprint(fingerprints: list[str]) -> str:
+    """The data's fingerprint: one directory's, or a hash of several directories' in their order."""
+    return fingerprints[0] if len(fingerprints) == 1 else hashlib.sha256(json.dumps(fingerprints).encode()).hexdigest()
 
 
 def sample_tokens(data: TrainingData, seed: int, sample: int, seq_len: int) -> np.ndarray:
@@ -272,8 +294,17 @@ def sample_tokens(data: TrainingData, seed: int, sample: int, seq_len: int) -> n
     return window(source.train_tokens, sample_window(seed, k, source.n_windows, s)[1], seq_len)
 
 
-def _tokenizer_of(meta: dict) -> tuple:
-    return meta.get("tokenizer_identity"), meta["vocab_size"], meta["eos_id"], meta["dtype"]
+def _tokenizer_of(data_dir: str, meta: dict) -> tuple:
+    """What must agree for two directories' token ids to mean the same: the tokenizer's vocabulary files (a BPE trained
+    on each directory's own text differs under the same spec; tokenizer_config.json also records where it was loaded
+    from) and the format."""
+    files = sorted(p for p in (Path(data_dir) / "tokenizer").iterdir() if p.is_file())
+    files = [p for p in files if p.name != "tokenizer_config.json"]
+    files = [p for p in files if p.name == "tokenizer.json"] or files  # a fast tokenizer is all in its tokenizer.json
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest(), meta["vocab_size"], meta["eos_id"], meta["dtype"]
 
 
 def _checked_dir(data_dir: str, seq_len: int) -> tuple[dict, dict]:
