@@ -35,6 +35,7 @@ BENCHMARKS = [  # (result name, command)
     ("moe_throughput", ["bench/moe_throughput.py"]),
     ("planner_memory", ["bench/planner_memory.py"]),
     ("precision", ["bench/precision.py"]),
+    ("document_masking", ["bench/document_masking.py"]),
 ]
 NEEDS_WIKITEXT = {"prepare_vs_tokenizer_wikitext2", "eval_vs_harness"}
 
