@@ -266,8 +266,9 @@ def training_data(data_dir: str, seq_len: int, eval_tokens: int, data_mix: str =
             val = val[: eval_tokens + 1] if eval_tokens else val
             taken = {s.name for s in sources}
             unique = name if name not in taken else f"{Path(d).name}/{name}"
-            unique = next(f"{unique}-{i}" for i in range(2, len(taken) + 3) if f"{unique}-{i}" not in taken) \
-                if unique in taken else unique  # fmt: skip
+            base, i = unique, 2
+            while unique in taken:  # the same directory name twice (a/data, b/data): data/x, data/x-2
+                unique, i = f"{base}-{i}", i + 1
             sources.append(Source(unique, train, val, num_windows(len(train), seq_len)))
     weights = mixture.parse_mix(data_mix, [s.name for s in sources], [s.n_windows for s in sources])
     for source, weight in zip(sources, weights):
