@@ -35,7 +35,7 @@ from deepseek_zero3.cli import UserError, field
 from deepseek_zero3.model import models, moe
 from deepseek_zero3.model.lmloss import DEFAULT_CHUNK_TOKENS, document_positions, loss_path, model_nll, validation_loss
 from deepseek_zero3.planning import plan
-from deepseek_zero3.run_dir import checkpoint, metrics, resilience
+from deepseek_zero3.run_dir import checkpoint, metrics, reshard, resilience
 from deepseek_zero3.tokens import token_data
 
 # DeepSpeed calls collectives that torch renamed; the warning repeats every step and says nothing to a user.
@@ -201,11 +201,8 @@ class Run:
     resume: checkpoint.Resume | None
 
     def identity(self) -> dict:
-        """What a checkpoint must match to be resumed by this run."""
+        """What a checkpoint must match to be resumed by this run (and the global batch: reshard.py)."""
         return {
-            "world_size": self.launch.world_size,
-            "micro_batch_size": self.cfg.micro_batch_size,
-            "grad_accum_steps": self.launch.grad_accum_steps,
             "seq_len": self.cfg.seq_len,
             "seed": self.cfg.seed,
             "data_fingerprint": self.data.fingerprint,
@@ -220,6 +217,9 @@ class Run:
         data_dir = ",".join(str(Path(d).resolve()) for d in token_data.data_dirs(self.cfg.data_dir))
         return {
             **self.identity(),
+            "world_size": self.launch.world_size,
+            "micro_batch_size": self.cfg.micro_batch_size,
+            "grad_accum_steps": self.launch.grad_accum_steps,
             "step": step,
             "skipped_steps": skipped_steps,
             "tokens_seen": step * self.batch.tokens_per_step,
@@ -295,6 +295,7 @@ def check_resume(run: Run, given: set[str]) -> str | None:
     schedule."""
     state, path = run.resume.state, run.resume.path
     checkpoint.check_resume_compatible(state, run.identity(), path)
+    reshard.check_global_batch(state, run.batch, path)
     if state["step"] > run.total_steps:
         raise UserError(
             f"cannot resume {path}: it is at step {state['step']}, beyond this run's {run.total_steps} steps; raise "
@@ -405,11 +406,11 @@ def setup(cfg: Config, given: set[str]) -> tuple[Run, Parts]:
     resilience.lock_run_dir(accelerator, out)
     finaliser = checkpoint.first_process_on_disk(accelerator, ckpt_root)
     if finaliser:
-        removed = checkpoint.remove_leftovers(ckpt_root, finished=False)
-        if removed:
+        if removed := checkpoint.remove_leftovers(ckpt_root, finished=False):
             print(f"removed what earlier runs left unfinished in {ckpt_root}: {', '.join(removed)}")
     accelerator.wait_for_everyone()
     mem_before_model_gib = metrics.peak_memory_gib(accelerator.device)  # the baseline the plan's estimate adds to
+    universal = reshard.prepare(run, accelerator, watchdog)  # a checkpoint of another number of processes
     model, optimizer, balancer, n_params = build_model(run, accelerator)
     counts = planned.counts
     activated = f", {counts['activated'] / 1e6:.2f}M activated per token" if balancer else ""
@@ -420,7 +421,8 @@ def setup(cfg: Config, given: set[str]) -> tuple[Run, Parts]:
     )
     parts = Parts(accelerator, model, optimizer, balancer, planned, finaliser, watchdog)
     if run.resume is not None:
-        checkpoint.load_checkpoint(run, parts)
+        checkpoint.load_checkpoint(run, parts, universal)
+        reshard.after_load(model, universal, run.launch.zero_stage)
     resumed = run.resume.state if run.resume else None
     parts.skips = resilience.Skips(parts, resumed, cfg.max_skipped_steps, run.launch.precision)
     checkpoint.start_outputs(run, accelerator, mem_before_model_gib)

@@ -114,12 +114,14 @@ FAULTS = {
     "sigstop_rank": "train.py: after step `step`, rank `rank` stops itself with SIGSTOP (a hung process)",
     "slow_step": "train.py: after step `step`, rank `rank` sleeps 4 s (a slow step, not a hung one)",
     "sigkill_in_save": "checkpoint.py: rank `rank` is killed after writing its shards of checkpoint `step`",
+    "sigkill_in_reshard": "reshard.py: rank `rank` is killed while it converts checkpoint `step` (once files appear)",
     "sigterm_in_save": "checkpoint.py: rank `rank` gets SIGTERM while checkpoint `step` is written",
     "enospc_in_save": "checkpoint.py: rank `rank` finds its disk full (ENOSPC) writing checkpoint `step`",
     "corrupt_link": "measure.py: rank `rank` sees one changed integer in the link check at start (`step` 0)",
     "fsize_in_export": "checkpoint.py: rank `rank` writes OUT/final under a 64 KB file size limit (`step` 0)",
 }
-SIGNALS = {"sigkill_rank": signal.SIGKILL, "sigstop_rank": signal.SIGSTOP, "sigkill_in_save": signal.SIGKILL}
+SIGNALS = {"sigkill_rank": signal.SIGKILL, "sigstop_rank": signal.SIGSTOP, "sigkill_in_save": signal.SIGKILL,
+           "sigkill_in_reshard": signal.SIGKILL}  # fmt: skip
 
 
 def fault(kind: str, rank: int, step: int) -> bool:

@@ -31,7 +31,7 @@ from deepseek_zero3.run_dir.metrics import append, read_metrics, truncate_metric
 RESUME_CHANGEABLE = {
     "data_dir", "data_mix", "log_every", "eval_every", "eval_at_start", "eval_tokens", "save_every", "keep_last",
     "accelerate_config", "assumed_mfu", "interconnect_gb_s", "pcie_gb_s", "nvme_gb_s", "gpu_memory_gib",
-    "host_memory_gib", "compare", "gradient_accumulation_steps", "ignore_memory_plan", "log_with",
+    "host_memory_gib", "compare", "gradient_accumulation_steps", "ignore_memory_plan", "log_with", "micro_batch_size",
     "gradient_checkpointing", "attn_implementation", "loss_chunk_tokens",
 }  # fmt: skip
 # What the run's own messages advise after a divergence or a hang: a resume may change them, and metrics.jsonl records
@@ -208,7 +208,8 @@ def check_resume_compatible(state: dict, current: dict, ckpt: Path) -> None:
 
 
 STEP_DIR = re.compile(r"step_(0|[1-9][0-9]*)")  # exactly what save_checkpoint writes: no step_04, no other digits
-LEFTOVER = re.compile(r"\.tmp-step_(0|[1-9][0-9]*)|\.step_(0|[1-9][0-9]*)\.stale|\.rank0-[0-9a-f]{16}")
+LEFTOVER = re.compile(r"\.tmp-step_(0|[1-9][0-9]*)(?:\.universal)?|\.step_(0|[1-9][0-9]*)\.stale|\.rank0-[0-9a-f]{16}")
+UNIVERSAL = re.compile(r"step_(0|[1-9][0-9]*)\.universal")  # reshard.py's copy of step_N, gone with step_N
 ABANDONED = re.compile(r"abandoned-[0-9]{8}-[0-9]{6}")
 
 
@@ -387,7 +388,8 @@ def remove_leftovers(ckpt_root: Path, finished: bool) -> list[str]:
     doomed = []
     for p in ckpt_root.iterdir():
         match = LEFTOVER.fullmatch(p.name)
-        if match and (match.group(2) is None or (ckpt_root / f"step_{match.group(2)}").is_dir()):
+        orphan = UNIVERSAL.fullmatch(p.name) and not (ckpt_root / p.name.removesuffix(".universal")).is_dir()
+        if orphan or (match and (match.group(2) is None or (ckpt_root / f"step_{match.group(2)}").is_dir())):
             doomed.append(p)
         elif finished and ABANDONED.fullmatch(p.name) and p.is_dir() and not p.is_symlink():
             doomed.append(p)
@@ -506,16 +508,18 @@ def save_checkpoint(accelerator, save: Save, resumed_from: Path | None, finalise
                 and (resumed_from is None or old.resolve() != resumed_from.resolve())
             ):
                 shutil.rmtree(old, ignore_errors=True)
+                shutil.rmtree(old.with_name(f"{old.name}.universal"), ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
 
 
-def load_checkpoint(run, parts) -> None:
-    """Load the checkpoint run.resume names (run, parts: train.py's Run and Parts). Only once it has loaded does an
-    explicit --resume from an older checkpoint move the newer ones aside, so a failed load changes nothing."""
+def load_checkpoint(run, parts, universal: Path | None = None) -> None:
+    """Load the checkpoint run.resume names (run, parts: train.py's Run and Parts), or its universal form (reshard.py).
+    Only once it has loaded does an explicit --resume from an older checkpoint move the newer ones aside, so a failed
+    load changes nothing."""
     path = run.resume.path
     try:
-        parts.accelerator.load_state(str(path))
+        parts.accelerator.load_state(str(universal or path))
     except Exception as e:  # noqa: BLE001 - DeepSpeed and torch raise many kinds for one damaged file
         first_line = str(e).strip().splitlines()[:1]  # a bare assert (DeepSpeed has many) has no message at all
         why = f"{type(e).__name__}: {first_line[0][:300]}" if first_line else type(e).__name__
