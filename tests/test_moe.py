@@ -8,6 +8,7 @@ speed is 0.003, not the report's 0.001: at this learning rate the tiny model's r
 within ~8 steps (MaxVio 3.0, every token in the same two experts) and 0.003 pulls them back within the run."""
 
 import json
+import shutil
 import sys
 
 import pytest
@@ -97,6 +98,23 @@ def test_stop_and_resume_equals_straight(moe_ref, docs_data, tmp_path):
     straight, resumed = train_records(moe_ref[0]), train_records(out)
     for s in range(HALF + 1, STEPS + 1):
         assert abs(straight[s]["loss"] - resumed[s]["loss"]) / straight[s]["loss"] < 1e-6, s
+    for name, bias in biases(moe_ref[0]).items():
+        assert torch.equal(bias, biases(out)[name]), name
+
+
+def test_three_processes_continue_on_two_with_the_biases(moe_ref, docs_data, tmp_path):
+    """Issue #38: the reference's step-12 checkpoint of 3 processes, resumed on 2 (micro-batch 3: the same global
+    batch): steps 13-24 as the straight run's to 1e-5, and the routers' biases (carried by the checkpoint, moved by
+    every step's expert loads) end equal."""
+    out = tmp_path / "two"
+    ckpt = tmp_path / "copy" / f"step_{HALF}"
+    shutil.copytree(moe_ref[0] / "checkpoints" / f"step_{HALF}", ckpt)
+    proc = train_moe(2, out, docs_data, "--max_steps", STEPS, "--resume", ckpt, micro_batch_size=3)
+    assert "written by 3 processes, this run has 2" in proc.stdout
+    straight, resumed = train_records(moe_ref[0]), train_records(out)
+    assert sorted(resumed) == list(range(HALF + 1, STEPS + 1))
+    for s in resumed:
+        assert resumed[s]["loss"] == pytest.approx(straight[s]["loss"], rel=1e-5), s
     for name, bias in biases(moe_ref[0]).items():
         assert torch.equal(bias, biases(out)[name]), name
 

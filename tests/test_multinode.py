@@ -1,5 +1,6 @@
 """Two `accelerate launch` "machines" on this one host over loopback (CPU, gloo, ZeRO-3, 1 process each): same losses
-and weights as one launch of the same world size and global batch, and both machines resume with --resume auto.
+and weights as one launch of the same world size and global batch, resuming a 1-process checkpoint (resharded) and
+their own on node-local disks with --resume auto.
 
 Both launches run one torch thread per process: torchrun gives each of one launch's 2 processes one thread, but a
 machine's one process would take both cores (accelerate 1.15's DeepSpeed launch ignores --num_cpu_threads_per_process;
@@ -74,18 +75,23 @@ def single(docs_data, tmp_path_factory):
     return out
 
 
-def test_two_machines_match_one_launch_and_resume(single, docs_data, tmp_path):
+def test_one_process_continues_on_two_machines(single, docs_data, tmp_path):
+    """Steps 1-3 in one process (micro-batch 4: the same global batch), then --resume auto on two machines: the
+    1-process checkpoint is resharded (issue #38) by machine 0 while machine 1 waits for it on the shared disk, and
+    the run ends as one launch of 2 processes does (losses and weights to 1e-5: the MoE experts' token groups of
+    micro-batch 4 and 2 round differently in the last bits)."""
     common = [*COMMON, "--data_dir", docs_data]
     multi = tmp_path / "multi"
-    launch_two_machines(*common, "--max_steps", "3", "--output_dir", multi)
-    assert (multi / "checkpoints" / "step_3" / "trainer_state.json").is_file()
+    first = launch(1, *common, "--max_steps", "3", "--output_dir", multi, "--micro_batch_size", "4",
+                   env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert_one_thread(first)
     proc = launch_two_machines(*common, "--max_steps", "6", "--output_dir", multi, "--resume", "auto")
-    assert "resumed from" in proc.stdout
+    assert "written by 1 processes, this run has 2" in proc.stdout and "resumed from" in proc.stdout
     a, b = train_records(single), train_records(multi)
     assert sorted(b) == list(range(1, 7))
     for step in range(1, 7):
-        assert abs(a[step]["loss"] - b[step]["loss"]) / a[step]["loss"] < 1e-6, (step, a[step]["loss"], b[step]["loss"])
-    assert_same_weights(single, multi)
+        assert abs(a[step]["loss"] - b[step]["loss"]) / a[step]["loss"] < 1e-5, (step, a[step]["loss"], b[step]["loss"])
+    assert_same_weights(single, multi, rel=1e-5)
 
 
 def test_node_local_disks_agree_on_the_checkpoint(single, docs_data, tmp_path):

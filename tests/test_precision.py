@@ -6,6 +6,7 @@ fp32 without bf16 units (AMX or AVX512-BF16), so each precision's tests skip, sa
 """
 
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -50,7 +51,7 @@ def launch(nproc: int, precision: str, *args, check=True):
 def runs(request, docs_data, tmp_path_factory) -> dict:
     """Per precision: 3 processes x micro-batch 2 for 10 steps; 1 process x 6 on the same global batch; the 3-process
     run's step-5 checkpoint resumed by hand in a new --output_dir to step 10 (what a run stopped after it does; the
-    resume of a run stopped by --max_steps is test_train.py's)."""
+    resume of a run stopped by --max_steps is test_train.py's), on 3 processes and on 1."""
     precision = request.param
     present, why = UNITS[precision]
     if not present:
@@ -62,6 +63,11 @@ def runs(request, docs_data, tmp_path_factory) -> dict:
     step_5 = tmp / "three" / "checkpoints" / "step_5"
     resumed = launch(3, precision, "--max_steps", STEPS, "--output_dir", tmp / "resumed", "--resume", step_5)
     assert "resumed from" in resumed.stdout
+    # The same checkpoint on 1 process (issue #38), converted beside a copy of it.
+    shutil.copytree(step_5, tmp / "copy" / "step_5")
+    args = ["--max_steps", STEPS, "--micro_batch_size", "6", "--output_dir", tmp / "on_one"]
+    on_one = launch(1, precision, *args, "--resume", tmp / "copy" / "step_5")
+    assert "written by 3 processes, this run has 1" in on_one.stdout
     return {"precision": precision, "dir": tmp}
 
 
@@ -86,6 +92,20 @@ def test_stop_and_resume_equals_the_straight_run(runs):
             assert resumed[step].get(key) == straight[step].get(key), (step, key)
     if runs["precision"] == "fp16":
         assert "loss_scale" in straight[STEPS] and "skipped_steps" in straight[STEPS]
+
+
+def test_a_checkpoint_of_three_processes_continues_on_one(runs):
+    """Issue #38 in 16 bits: the step-5 checkpoint resumed on 1 process x 6 carries the weights, the fp32 master copy,
+    the moments and, in fp16, the loss scale and skipped-step count. The loss of step 6 (the loaded weights, before
+    any update) equals the straight run's to 1e-3; later steps reduce 16-bit gradients in the 1-process order, so
+    they stay within the 2e-3 that 3 processes and 1 keep from each other (test_three_processes_train_like_one)."""
+    straight, on_one = train_records(runs["dir"] / "three"), train_records(runs["dir"] / "on_one")
+    assert sorted(on_one) == list(range(6, STEPS + 1))
+    assert on_one[6]["loss"] == pytest.approx(straight[6]["loss"], rel=1e-3)
+    for step in on_one:
+        assert abs(on_one[step]["loss"] - straight[step]["loss"]) < 2e-3, (step, on_one[step], straight[step])
+        assert on_one[step].get("loss_scale") == straight[step].get("loss_scale"), step
+        assert on_one[step].get("skipped_steps") == straight[step].get("skipped_steps"), step
 
 
 def test_export_loads_in_its_precision_and_scores_like_the_last_validation(runs, docs_data):

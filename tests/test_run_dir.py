@@ -246,11 +246,11 @@ def test_sigterm_while_saving_stops_after_that_checkpoint(docs_data, tmp_path):
 
 
 def test_setup_error_reaches_the_user_in_a_multi_process_launch(done_run, tmp_path):
-    """Case 17: both ranks refuse a 1-process checkpoint; whichever exits first, exactly one `error:` line is printed
-    (the launcher used to kill rank 0 before it printed)."""
+    """Case 17: both ranks refuse a checkpoint of one plain process (no DeepSpeed) under ZeRO-3; whichever exits first,
+    exactly one `error:` line is printed (the launcher used to kill rank 0 before it printed)."""
     out = copy_run(done_run, tmp_path)
     proc = launch(2, "--output_dir", out, "--resume", "auto", check=False)
-    assert_refused(proc, None, "world_size=1", "world_size=2")
+    assert_refused(proc, None, "zero_stage=0", "zero_stage=3")
 
 
 @pytest.mark.parametrize("damage", ["torn", "not an object", "empty"])
