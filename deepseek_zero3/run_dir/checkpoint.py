@@ -82,9 +82,7 @@ def check_output_dir(output_dir: str, resume: str) -> None:
             )
     probe = out if out.exists() else next(p for p in out.absolute().parents if p.exists())
     if not probe.is_dir() or not os.access(probe, os.W_OK):
-        raise UserError(
-            f"--output_dir {output_dir}: {probe} is not a writable directory; choose a directory you can write to"
-        )
+        raise UserError(f"--output_dir {output_dir}: {probe} is not a writable directory; choose one you can write to")
     if resume not in ("", "auto") and not (Path(resume) / "trainer_state.json").is_file():
         raise UserError(
             f"--resume {resume} is not a complete checkpoint (no trainer_state.json); use --resume auto "
@@ -207,9 +205,10 @@ def check_resume_compatible(state: dict, current: dict, ckpt: Path) -> None:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-STEP_DIR = re.compile(r"step_(0|[1-9][0-9]*)")  # exactly what save_checkpoint writes: no step_04, no other digits
-LEFTOVER = re.compile(r"\.tmp-step_(0|[1-9][0-9]*)(?:\.universal)?|\.step_(0|[1-9][0-9]*)\.stale|\.rank0-[0-9a-f]{16}")
-UNIVERSAL = re.compile(r"step_(0|[1-9][0-9]*)\.universal")  # reshard.py's copy of step_N, gone with step_N
+STEP_N = r"step_(0|[1-9][0-9]*)"  # exactly what save_checkpoint writes: no step_04, no other digits
+STEP_DIR = re.compile(STEP_N)
+LEFTOVER = re.compile(rf"\.tmp-{STEP_N}(?:\.universal)?|\.{STEP_N}(?:\.universal)?\.stale|\.rank0-[0-9a-f]{{16}}")
+UNIVERSAL = re.compile(rf"{STEP_N}\.universal")  # reshard.py's copy of step_N, gone with step_N
 ABANDONED = re.compile(r"abandoned-[0-9]{8}-[0-9]{6}")
 
 
@@ -309,9 +308,12 @@ class Resume:
 def find_resume_checkpoint(resume: str, ckpt_root: Path, accelerator) -> Path | None:
     """The checkpoint to resume from, the same on every rank. With node-local disks each machine sees only its own
     copies, and a kill between two machines' renames leaves them at different steps: all take the oldest."""
-    for partial in sorted(ckpt_root.glob(".tmp-step_*")):
+    for partial in sorted(p for p in ckpt_root.glob(".tmp-step_*") if not UNIVERSAL.fullmatch(p.name[5:])):
         accelerator.print(f"warning: ignoring incomplete checkpoint {partial} (a run died while writing it)")
     if resume not in ("", "auto"):
+        if copy := UNIVERSAL.fullmatch(Path(resume).name):  # reshard.py's, for a resume on another world size
+            original = Path(resume).parent / f"step_{copy.group(1)}"
+            raise UserError(f"--resume {resume}: train.py's universal copy of a checkpoint; --resume {original}")
         read_trainer_state(Path(resume))  # refuses a damaged checkpoint before anything moves or loads
         return Path(resume)
     if resume != "auto":
@@ -368,6 +370,7 @@ def set_aside_newer(ckpt_root: Path, resume_from: Path, step: int) -> str | None
     aside.mkdir(exist_ok=True)
     for p in newer:
         os.replace(p, aside / p.name)
+        remove(p.with_name(f"{p.name}.universal"))  # reshard.py's copy: another branch's weights
     left = step_dirs(ckpt_root)
     if inside or left:
         write_atomic(ckpt_root / "latest", (resume_from if inside else left[-1]).name + "\n")
@@ -430,9 +433,8 @@ class CheckpointWriteError(Exception):
 PEER_FAILED = ("closed by peer", "reset by peer", "remote process exited")
 
 
-def write_failure(
-    tmp: Path, error: BaseException, last_good: Path | None, what: str = "checkpoint"
-) -> CheckpointWriteError:
+def write_failure(tmp: Path, error: BaseException, last_good: Path | None,
+                  what: str = "checkpoint") -> CheckpointWriteError:  # fmt: skip
     import resource
 
     keep = f"the last complete checkpoint, {last_good}, is intact" if last_good else "no earlier checkpoint exists"
@@ -520,12 +522,14 @@ def load_checkpoint(run, parts, universal: Path | None = None) -> None:
     path = run.resume.path
     try:
         parts.accelerator.load_state(str(universal or path))
+        # Accelerate's micro-step count ends each step's accumulation: in this launch's (a resume may change it).
+        parts.accelerator.step = run.resume.state["step"] * run.launch.grad_accum_steps
     except Exception as e:  # noqa: BLE001 - DeepSpeed and torch raise many kinds for one damaged file
         first_line = str(e).strip().splitlines()[:1]  # a bare assert (DeepSpeed has many) has no message at all
         why = f"{type(e).__name__}: {first_line[0][:300]}" if first_line else type(e).__name__
-        raise UserError(
-            f"cannot load checkpoint {path}: {why}; resume from an older checkpoint with --resume {path.parent}/step_N"
-        ) from None
+        older = f"resume from an older checkpoint with --resume {path.parent}/step_N"
+        fix = f"delete it: {path.name} is converted anew at the next start" if universal else older
+        raise UserError(f"cannot load checkpoint {universal or path}: {why}; {fix}") from None
     if run.cfg.resume != "auto" and parts.finaliser:
         # This run's own checkpoints only: another run's checkpoint, resumed into a new OUT, leaves that run as it was.
         moved = set_aside_newer(Path(run.cfg.output_dir) / "checkpoints", path, run.resume.state["step"])

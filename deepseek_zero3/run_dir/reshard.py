@@ -17,6 +17,9 @@ The sample order is a function of the global sample number, so the data continue
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import json
+import os
 import shutil
 import signal
 import subprocess
@@ -81,12 +84,47 @@ def shard_dir(ckpt: Path) -> Path:
     return found[0]
 
 
+def tmp_dir(ckpt: Path) -> Path:
+    return ckpt.parent / f".tmp-{ckpt.name}.universal"
+
+
+def source_digest(ckpt: Path) -> str:
+    """What step_N.universal records of the step_N it was made from: its manifest (every file and size; trainer_state
+    for a checkpoint from before manifests). A step_N rewritten since (a roll-back's new branch) no longer matches."""
+    made_of = ckpt / "manifest.json" if (ckpt / "manifest.json").is_file() else ckpt / "trainer_state.json"
+    return hashlib.sha256(made_of.read_bytes()).hexdigest()
+
+
+def universal_problem(final: Path, ckpt: Path) -> str | None:
+    """Why an existing step_N.universal cannot be used for `ckpt` (None: it can)."""
+    if not (final / "manifest.json").is_file():
+        return "it has no manifest (not written by this version, or cut short)"
+    problem = checkpoint.checkpoint_problem(final)
+    if problem is not None:
+        return problem
+    try:
+        made_of = json.loads((final / "made_of.json").read_text())["digest"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "made_of.json is missing or unreadable"
+    return None if made_of == source_digest(ckpt) else f"it was made from another {ckpt.name} (since rewritten)"
+
+
 def tree_bytes(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
 
 
 def size(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def plural(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}es"
+
+
+def exit_reason(returncode: int) -> str:
+    if returncode < 0:
+        return f"killed by {signal.Signals(-returncode).name}" + (" (out of memory?)" if returncode == -9 else "")
+    return f"exit status {returncode}"
 
 
 PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child between fork and exec only calls it
@@ -102,9 +140,10 @@ def convert(ckpt: Path, zero_stage: int, rank: int, beat) -> Path:
     ends, and it dies with this one), copy the run's own files (trainer state, model config, custom objects, random
     states) next to it, add a manifest and rename it into place. An existing complete one is reused. beat(): called
     every few seconds while the converter runs (the watchdog's)."""
-    final, tmp = universal_dir(ckpt), ckpt.parent / f".tmp-{ckpt.name}.universal"
-    if final.is_dir() and checkpoint.checkpoint_problem(final) is None:
+    final, tmp = universal_dir(ckpt), tmp_dir(ckpt)
+    if final.is_dir() and universal_problem(final, ckpt) is None:
         return final
+    remove(tmp)  # a conversion a kill interrupted, before the free space is measured
     state = checkpoint.read_trainer_state(ckpt)
     source, ranks = shard_dir(ckpt), saved_world_size(state)
     found = len(list(source.glob("*_optim_states.pt")))
@@ -113,18 +152,20 @@ def convert(ckpt: Path, zero_stage: int, rank: int, beat) -> Path:
             f"cannot reshard {ckpt}: {source} holds the optimizer shards of {found} processes, the run had {ranks}; "
             f"copy every machine's shards into it (a shared filesystem does this), or resume on {ranks} processes"
         )
-    needed, free = tree_bytes(source), shutil.disk_usage(ckpt.parent).free
-    print(
-        f"converting {ckpt.name} ({ranks} processes' shards) to DeepSpeed's universal checkpoint in {final.name}: "
-        f"{size(needed)} more on disk ({size(free)} free), the original is only read",
-        flush=True,
-    )
+    # The converter holds its per-parameter fragments until it has written the result from them, and the result
+    # repeats the first process's optimizer shard: measured 2.7x the shards at the peak for a 1-process checkpoint.
+    optim = sum(p.stat().st_size for p in source.glob("*_optim_states.pt"))
+    needed, free = tree_bytes(source) + optim * (1 + 1 / ranks), shutil.disk_usage(ckpt.parent).free
     if needed * 1.1 > free:
         raise UserError(
-            f"cannot reshard {ckpt}: the universal copy needs about {size(needed)} and {ckpt.parent} has "
+            f"cannot reshard {ckpt}: converting it needs up to {size(needed)} on disk and {ckpt.parent} has "
             f"{size(free)} free; free some space, or resume on {ranks} processes"
         )
-    remove(tmp)  # a conversion a kill interrupted
+    print(
+        f"converting {ckpt.name} ({plural(ranks, 'process')}' shards) to DeepSpeed's universal checkpoint in "
+        f"{final.name}: up to {size(needed)} on disk while it converts ({size(free)} free), the original only read",
+        flush=True,
+    )
     tmp.mkdir()
     started = time.monotonic()
     cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(source),
@@ -143,12 +184,14 @@ def convert(ckpt: Path, zero_stage: int, rank: int, beat) -> Path:
             time.sleep(POLL_S / 4)
     fault("sigkill_in_reshard", rank, int(state["step"]))  # or it was quicker than a poll: before the rename
     if proc.returncode != 0:
-        last = (log.read_text(errors="replace").strip() or "no output").splitlines()[-1][:300]
+        said = [line for line in log.read_text(errors="replace").splitlines() if line.strip() and "%|" not in line]
+        last = f": {said[-1].strip()[:300]}" if said else ""
         raise UserError(
-            f"cannot reshard {ckpt}: DeepSpeed's converter failed ({last}; all of it in {log}); resume on {ranks} "
-            f"processes"
+            f"cannot reshard {ckpt}: DeepSpeed's converter failed ({exit_reason(proc.returncode)}{last}; its output "
+            f"is in {log} until the next start); resume on {ranks} processes, or fix it and start again"
         )
     log.unlink()
+    (tmp / "made_of.json").write_text(json.dumps({"checkpoint": ckpt.name, "digest": source_digest(ckpt)}) + "\n")
     for p in ckpt.iterdir():
         if p.is_file() and p.name not in ("manifest.json", "latest") and not p.name.endswith(".py"):
             shutil.copy2(p, tmp / p.name)
@@ -161,15 +204,18 @@ def convert(ckpt: Path, zero_stage: int, rank: int, beat) -> Path:
 def universal_checkpoint(ckpt: Path, zero_stage: int, rank: int, converts: bool, watchdog) -> Path:
     """The universal form of `ckpt`, converted by one process per filesystem (`converts`) while the others wait on the
     disk, not in a collective (a 7B conversion can outlast the process group's timeout); all beat the watchdog."""
-    final, failed = universal_dir(ckpt), ckpt.parent / f".tmp-{ckpt.name}.universal" / "FAILED"
+    final, failed = universal_dir(ckpt), tmp_dir(ckpt) / "FAILED"
     if converts:
         try:
             return convert(ckpt, zero_stage, rank, lambda: watchdog.beat(0, "startup"))
         except UserError as e:
-            if failed.parent.is_dir():  # the waiting processes end with the same message
+            try:  # the waiting processes end with the same message
+                failed.parent.mkdir(exist_ok=True)
                 failed.write_text(str(e))
+            except OSError:  # a full or read-only disk: they end on the collective's timeout instead
+                pass
             raise
-    while not (final.is_dir() and (final / "manifest.json").is_file()):
+    while not (final / "manifest.json").is_file():  # prepare() removed an unusable one before they came here
         if failed.is_file():
             raise UserError(failed.read_text())
         watchdog.beat(0, "startup")
@@ -210,9 +256,20 @@ def prepare(run, accelerator, watchdog) -> Path | None:
         f"{ckpt} was written by {ranks} processes, this run has "
         f"{run.launch.world_size}: resharding it through DeepSpeed's universal checkpoint"
     )
+    if not os.access(ckpt.parent, os.W_OK):
+        raise UserError(
+            f"cannot resume {ckpt} on {run.launch.world_size} processes: resharding writes its universal copy beside "
+            f"it, and {ckpt.parent} is not writable; copy {ckpt.name} into a writable directory and --resume the copy, "
+            f"or resume on {ranks} processes"
+        )
     converts = checkpoint.first_process_on_disk(accelerator, ckpt.parent)
-    if converts:  # a failed attempt's word, which the waiting processes would take for this attempt's
-        (ckpt.parent / f".tmp-{ckpt.name}.universal" / "FAILED").unlink(missing_ok=True)
+    if converts:
+        (tmp_dir(ckpt) / "FAILED").unlink(missing_ok=True)  # a failed attempt's word, not this one's
+        final = universal_dir(ckpt)
+        why = universal_problem(final, ckpt) if final.exists() else None
+        if why is not None:  # gone before the others look for it: they wait for the one this attempt writes
+            print(f"converting {ckpt.name} again: the {final.name} there cannot be used ({why})")
+            remove(final)
     accelerator.wait_for_everyone()
     universal = universal_checkpoint(ckpt, run.launch.zero_stage, accelerator.process_index, converts, watchdog)
     accelerator.wait_for_everyone()
