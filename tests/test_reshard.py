@@ -1,9 +1,10 @@
 """Resume on another number of processes (issue #38): a ZeRO-3 checkpoint of 3 processes continues on 2 and on 1, one
 of 2 on 3, each exactly as the straight run went on (losses and gradient norms to 1e-5 at every step after the
 checkpoint, so optimizer moments reset at the resume would show from its second step on); a global batch the new
-launch cannot keep is refused naming settings that can; a kill while the checkpoint is converted leaves nothing a
-rerun would use, and the checkpoint itself is never written to. ZeRO-2: test_strategies.py; DeepSeek-V3 tiny (the
-routers' biases): test_moe.py; bf16/fp16: test_precision.py.
+launch cannot keep is refused naming settings that can, another split of it (accumulation) continues exactly; a kill
+while the checkpoint is converted leaves nothing a rerun would use, the checkpoint itself is never written to, and a
+universal copy that does not match its checkpoint (made from another, or cut short) is converted anew. ZeRO-2:
+test_strategies.py; DeepSeek-V3 tiny (the routers' biases): test_moe.py; bf16/fp16: test_precision.py.
 
 The straight run is conftest's ref_run (3 processes x micro-batch 2, 10 steps); its first 4 steps are rerun here with
 a checkpoint (--lr_decay_steps 10 keeps the schedule of the 10-step run).
@@ -18,7 +19,7 @@ import pytest
 from conftest import TINY, launch, train_records
 
 from deepseek_zero3.cli import UserError
-from deepseek_zero3.run_dir import reshard
+from deepseek_zero3.run_dir import checkpoint, reshard
 from deepseek_zero3.tokens.token_data import BatchPlan
 
 
@@ -110,20 +111,35 @@ def test_three_processes_continue_on_two(ref_run, three_to_two):
 
 
 def test_two_processes_continue_on_three(ref_run, three_to_two, tmp_path):
-    """The 2-process run's own step-6 checkpoint (written after a resharded resume) on 3 processes, in a new OUT."""
+    """The 2-process run's own step-6 checkpoint (written after a resharded resume) on 3 processes, in a new OUT, next
+    to a complete step_6.universal made from another step_6 (as a roll-back leaves one): converted anew, and the two
+    processes that wait for the conversion load the new one."""
     ckpt = tmp_path / "copy" / "step_6"
     shutil.copytree(three_to_two[0] / "checkpoints" / "step_6", ckpt)
+    shutil.copytree(three_to_two[0] / "checkpoints" / "step_4.universal", tmp_path / "copy" / "step_6.universal")
     out = tmp_path / "three"
     proc = launch(3, "--resume", ckpt, "--output_dir", out, "--max_steps", "10", "--micro_batch_size", "2")
     assert "written by 2 processes, this run has 3" in proc.stdout
+    assert "converting step_6 again: the step_6.universal there cannot be used (it was made from another" in proc.stdout
     assert_continues(ref_run[0], out, range(7, 11))
-    assert (tmp_path / "copy" / "step_6.universal").is_dir()  # beside the checkpoint it converts
+    assert (tmp_path / "copy" / "step_6.universal" / "made_of.json").is_file()  # beside the checkpoint it converts
 
 
-def test_three_processes_continue_on_one(ref_run, source, tmp_path):
+def test_three_processes_continue_on_one_with_accumulation(ref_run, source, three_to_two, tmp_path):
+    """The global batch split anew (micro-batch 2 x accumulation 3 on 1 process: Accelerate's restored micro-step count
+    would end the first step's accumulation early), next to a step_4.universal without its manifest (redone)."""
     ckpt = tmp_path / "copy" / "step_4"
     shutil.copytree(source / "checkpoints" / "step_4", ckpt)
+    shutil.copytree(three_to_two[0] / "checkpoints" / "step_4.universal", tmp_path / "copy" / "step_4.universal")
+    (tmp_path / "copy" / "step_4.universal" / "manifest.json").unlink()
     out = tmp_path / "one"
-    proc = launch(1, "--resume", ckpt, "--output_dir", out, "--max_steps", "8", "--micro_batch_size", "6")
+    proc = launch(1, "--resume", ckpt, "--output_dir", out, "--max_steps", "8", "--micro_batch_size", "2", accum=3)
     assert "written by 3 processes, this run has 1" in proc.stdout
+    assert "converting step_4 again: the step_4.universal there cannot be used (it has no manifest" in proc.stdout
     assert_continues(ref_run[0], out, range(5, 9))
+
+
+def test_a_universal_copy_given_to_resume_names_its_checkpoint(tmp_path):
+    copy = tmp_path / "checkpoints" / "step_4.universal"
+    with pytest.raises(UserError, match=rf"train.py's universal copy of a checkpoint; --resume {copy.parent}/step_4$"):
+        checkpoint.find_resume_checkpoint(str(copy), tmp_path / "out" / "checkpoints", None)
