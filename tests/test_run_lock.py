@@ -51,10 +51,14 @@ def test_a_second_run_is_refused_and_a_killed_runs_lock_is_taken_over(docs_data,
     run is held with SIGSTOP while the refusals run, so a loaded machine cannot let it finish first.)"""
     out = tmp_path / "out"
     args = [*RUN, "--max_steps", "4", "--data_dir", docs_data, "--output_dir", out]
+    started = time.monotonic()
     first = start(*args, env={"TRAIN_TEST_FAULT": "slow_step:0:2-4"}, stdout=subprocess.DEVNULL)
     try:
-        wait_for_step(out, 2, first)
-        first.send_signal(signal.SIGSTOP)  # in its 4 s sleep after step 2: it holds the lock, and stays before step 4
+        wait_for_step(out, 2, first)  # logged after its 4 s sleep, then checkpoint step_2 is written:
+        while not (out / "checkpoints" / "step_2" / "manifest.json").is_file():  # a stop mid-save would lose it
+            assert first.poll() is None and time.monotonic() < started + 300, "no checkpoint step_2"
+            time.sleep(0.1)
+        first.send_signal(signal.SIGSTOP)  # in step 3 or its 4 s sleep: it holds the lock, and stays before step 4
         for resume in (["--resume", "auto"], []):  # without --resume too: the holder, not "pass --resume auto"
             second = run([sys.executable, "train.py", *map(str, args), *resume], check=False)
             assert_refused(second, 2, f"--output_dir {out} is in use by another train.py run (pid {first.pid} on ",
