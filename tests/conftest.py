@@ -128,10 +128,11 @@ def docs_data(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def ref_run(docs_data, tmp_path_factory):
-    """The reference run: 3 processes x micro-batch 2 = global batch 6, 10 steps, no checkpoint before the end;
-    returns (OUT, the launch's CompletedProcess)."""
+    """The reference run: 3 processes x micro-batch 2 = global batch 6, 10 steps, checkpoints at steps 4, 8 and 10
+    (test_reshard.py resumes step 4 on other numbers of processes); returns (OUT, the launch's CompletedProcess)."""
     out = tmp_path_factory.mktemp("ref") / "out"
-    args = [*TINY, "--max_steps", "10", "--micro_batch_size", "2", "--data_dir", docs_data, "--output_dir", out]
+    args = [*TINY, "--max_steps", "10", "--micro_batch_size", "2", "--data_dir", docs_data, "--output_dir", out,
+            "--save_every", "4", "--keep_last", "3"]  # fmt: skip
     return out, launch(3, *args)
 
 

@@ -6,8 +6,8 @@ while the checkpoint is converted leaves nothing a rerun would use, the checkpoi
 universal copy that does not match its checkpoint (made from another, or cut short) is converted anew. ZeRO-2:
 test_strategies.py; DeepSeek-V3 tiny (the routers' biases): test_moe.py; bf16/fp16: test_precision.py.
 
-The straight run is conftest's ref_run (3 processes x micro-batch 2, 10 steps); its first 4 steps are rerun here with
-a checkpoint (--lr_decay_steps 10 keeps the schedule of the 10-step run).
+The straight run is conftest's ref_run (3 processes x micro-batch 2, 10 steps), and its step-4 checkpoint the one
+resumed here (explicitly: its later checkpoints are set aside, as a roll-back does).
 """
 
 import hashlib
@@ -16,7 +16,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import TINY, launch, train_records
+from conftest import launch, train_records
 
 from deepseek_zero3.cli import UserError
 from deepseek_zero3.run_dir import checkpoint, reshard
@@ -45,23 +45,15 @@ def assert_continues(straight: Path, resumed: Path, steps) -> None:
 
 
 @pytest.fixture(scope="module")
-def source(docs_data, tmp_path_factory) -> Path:
-    """ref_run's first 4 steps on 3 processes, a checkpoint at step 4; returns OUT (tests copy it before resuming)."""
-    out = tmp_path_factory.mktemp("reshard") / "three"
-    args = ["--micro_batch_size", "2", "--max_steps", "4", "--lr_decay_steps", "10", "--data_dir", docs_data]
-    launch(3, *TINY, *args, "--output_dir", out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def three_to_two(source, tmp_path_factory):
-    """source's OUT, copied, resumed (--resume auto) on 2 processes: first with the micro-batch as it was (refused),
+def three_to_two(ref_run, tmp_path_factory):
+    """ref_run's OUT, copied, resumed from its step 4 on 2 processes: first with the micro-batch as it was (refused),
     then with the converting process killed mid-conversion, then as the error line advises, to step 8 with
     checkpoints at 6 and 8. Returns (OUT, the step-4 checkpoint's digest before, the three launches)."""
     out = tmp_path_factory.mktemp("reshard") / "two"
-    shutil.copytree(source, out)
+    shutil.copytree(ref_run[0], out)
     before = digest(out / "checkpoints" / "step_4")
-    resume = ["--output_dir", out, "--resume", "auto", "--max_steps", "8", "--save_every", "2"]
+    resume = ["--output_dir", out, "--resume", out / "checkpoints" / "step_4", "--max_steps", "8", "--save_every", "2",
+              "--lr_decay_steps", "10"]  # fmt: skip
     refused = launch(2, *resume, check=False)
     kill = {"TRAIN_TEST_FAULT": "sigkill_in_reshard:0:4", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"}
     killed = launch(2, *resume, "--micro_batch_size", "3", check=False, env=kill)
@@ -125,15 +117,16 @@ def test_two_processes_continue_on_three(ref_run, three_to_two, tmp_path):
     assert (tmp_path / "copy" / "step_6.universal" / "made_of.json").is_file()  # beside the checkpoint it converts
 
 
-def test_three_processes_continue_on_one_with_accumulation(ref_run, source, three_to_two, tmp_path):
+def test_three_processes_continue_on_one_with_accumulation(ref_run, three_to_two, tmp_path):
     """The global batch split anew (micro-batch 2 x accumulation 3 on 1 process: Accelerate's restored micro-step count
     would end the first step's accumulation early), next to a step_4.universal without its manifest (redone)."""
     ckpt = tmp_path / "copy" / "step_4"
-    shutil.copytree(source / "checkpoints" / "step_4", ckpt)
+    shutil.copytree(ref_run[0] / "checkpoints" / "step_4", ckpt)
     shutil.copytree(three_to_two[0] / "checkpoints" / "step_4.universal", tmp_path / "copy" / "step_4.universal")
     (tmp_path / "copy" / "step_4.universal" / "manifest.json").unlink()
     out = tmp_path / "one"
-    proc = launch(1, "--resume", ckpt, "--output_dir", out, "--max_steps", "8", "--micro_batch_size", "2", accum=3)
+    proc = launch(1, "--resume", ckpt, "--output_dir", out, "--max_steps", "8", "--lr_decay_steps", "10",
+                  "--micro_batch_size", "2", accum=3)  # fmt: skip
     assert "written by 3 processes, this run has 1" in proc.stdout
     assert "converting step_4 again: the step_4.universal there cannot be used (it has no manifest" in proc.stdout
     assert_continues(ref_run[0], out, range(5, 9))

@@ -154,22 +154,16 @@ def test_every_config_parses(name, monkeypatch):
 
 
 def test_zero2_resumes_on_another_number_of_processes(zero2, tmp_path):
-    """Issue #38 under ZeRO-2: the 2-process step-5 checkpoint continues on 3 processes (checkpoint at 8), and that
-    one on 1 process, each step's loss and gradient norm as the straight 2-process run's to 1e-5."""
+    """Issue #38 under ZeRO-2: the 2-process step-5 checkpoint continues on 3 processes, each step's loss and gradient
+    norm as the straight 2-process run's to 1e-5."""
     straight, _ = zero2
     copy = tmp_path / "copy" / "step_5"
     shutil.copytree(straight / "checkpoints" / "step_5", copy)
     three = tmp_path / "three"
-    proc = launch(3, "--resume", copy, "--output_dir", three, *TEN, "--micro_batch_size", "2", "--save_every", "4",
-                  config=ZERO2)  # fmt: skip
+    proc = launch(3, "--resume", copy, "--output_dir", three, *TEN, "--micro_batch_size", "2", config=ZERO2)
     assert "written by 2 processes, this run has 3" in proc.stdout
-    one = tmp_path / "one"
-    proc = launch(1, "--resume", three / "checkpoints" / "step_8", "--output_dir", one, *TEN, "--micro_batch_size",
-                  "6", config=ZERO2)  # fmt: skip
-    assert "written by 3 processes, this run has 1" in proc.stdout
-    for resumed, steps in ((three, range(6, 11)), (one, range(9, 11))):
-        a, b = train_records(straight), train_records(resumed)
-        assert sorted(b) == list(steps)
-        for s in steps:
-            for key in ("loss", "grad_norm"):
-                assert b[s][key] == pytest.approx(a[s][key], rel=1e-5), (resumed.name, s, key, a[s][key], b[s][key])
+    a, b = train_records(straight), train_records(three)
+    assert sorted(b) == list(range(6, 11))
+    for s in b:
+        for key in ("loss", "grad_norm"):
+            assert b[s][key] == pytest.approx(a[s][key], rel=1e-5), (s, key, a[s][key], b[s][key])
