@@ -11,7 +11,7 @@ train.py does both steps by itself when the number of processes changed:
     OUT/checkpoints/step_N.universal          complete: the universal shards, the run's own files, a manifest
 
 The sample order is a function of the global sample number, so the data continues as long as the global batch
-(micro-batch x accumulation x processes) does; the run refuses a resume that changes it (global_batch_problem).
+(micro-batch x accumulation x processes) does; the run refuses a resume that changes it (check_global_batch).
 """
 
 from __future__ import annotations
@@ -146,15 +146,16 @@ def convert(ckpt: Path, zero_stage: int, rank: int, beat) -> Path:
     remove(tmp)  # a conversion a kill interrupted, before the free space is measured
     state = checkpoint.read_trainer_state(ckpt)
     source, ranks = shard_dir(ckpt), saved_world_size(state)
-    found = len(list(source.glob("*_optim_states.pt")))
-    if found != ranks:
+    optim_shards = list(source.glob("*_optim_states.pt"))
+    if len(optim_shards) != ranks:
         raise UserError(
-            f"cannot reshard {ckpt}: {source} holds the optimizer shards of {found} processes, the run had {ranks}; "
-            f"copy every machine's shards into it (a shared filesystem does this), or resume on {ranks} processes"
+            f"cannot reshard {ckpt}: {source} holds the optimizer shards of {len(optim_shards)} processes, the run "
+            f"had {ranks}; copy every machine's shards into it (a shared filesystem does this), or resume on {ranks} "
+            f"processes"
         )
     # The converter holds its per-parameter fragments until it has written the result from them, and the result
     # repeats the first process's optimizer shard: measured 2.7x the shards at the peak for a 1-process checkpoint.
-    optim = sum(p.stat().st_size for p in source.glob("*_optim_states.pt"))
+    optim = sum(p.stat().st_size for p in optim_shards)
     needed, free = tree_bytes(source) + optim * (1 + 1 / ranks), shutil.disk_usage(ckpt.parent).free
     if needed * 1.1 > free:
         raise UserError(
