@@ -46,8 +46,9 @@ from deepseek_zero3.cli import UserError, field, write_json_atomic
 from deepseek_zero3.data import corpora, documents
 from deepseek_zero3.evaluation import harness_tasks
 from deepseek_zero3.model import models
-from deepseek_zero3.model.lmloss import make_windows, score_windows
-from deepseek_zero3.run_dir import run_model
+from deepseek_zero3.model.lmloss import make_windows, score_windows, validation_loss
+from deepseek_zero3.run_dir import metrics, run_model
+from deepseek_zero3.tokens import token_data
 
 
 # fmt: off
@@ -71,6 +72,11 @@ class Config:
     output_json: str = field("", "write the report here as JSON")
     raw_text: bool = field(False, "score WikiText pages as they are, not through lm-evaluation-harness's "
                                   "wikitext_detokenizer")
+    packed_seq_len: int = field(0, "with a prepare_data.py directory: score its validation tokens as train.py "
+                                   "validates them, in packed windows of this many tokens: its val_loss and val_bpb")
+    eval_tokens: int = field(0, "with --packed_seq_len: validation tokens of each source (0: all; train.py's flag)")
+    document_masking: bool = field(True, "with --packed_seq_len: each document of a window attends only to itself, "
+                                         "as in train.py (--no_document_masking: the whole window)")
     # downstream tasks (lm-evaluation-harness)
     tasks: str = field("", "comma-separated lm-evaluation-harness tasks, groups or tags; `core` = "
                            f"{','.join(harness_tasks.CORE_TASKS)} (their Hub datasets, cached once)")
@@ -388,6 +394,26 @@ def score_perplexity(cfg: Config, state, loaded: tuple, documents: tuple) -> dic
     return report
 
 
+def score_packed(cfg: Config, state, model) -> dict:
+    """train.py's validation of the prepared directory --dataset (the same windows, document masking and default
+    weights of its sources): the val_loss and val_bpb (and per source) that train.py logs for these weights."""
+    data = token_data.training_data(cfg.dataset, cfg.packed_seq_len, cfg.eval_tokens)
+    eos = data.meta["eos_id"] if cfg.document_masking else None
+    t0 = time.perf_counter()
+    losses = {
+        s.name: validation_loss(model, state, s.val_tokens, cfg.packed_seq_len, cfg.batch_size, eos_id=eos)
+        for s in data.sources
+        if token_data.num_windows(len(s.val_tokens), cfg.packed_seq_len)
+    }
+    model.eval()  # validation_loss hands the model back in training mode, as train.py needs it
+    report = metrics.validation_metrics(data.sources, data.weights, losses)
+    windows = sum(token_data.num_windows(len(s.val_tokens), cfg.packed_seq_len) for s in data.sources)
+    report.update(dataset=cfg.dataset, split="validation", packed_seq_len=cfg.packed_seq_len, windows=windows,
+                  eval_tokens=cfg.eval_tokens, document_masking=cfg.document_masking,
+                  seconds=time.perf_counter() - t0)  # fmt: skip
+    return report
+
+
 def task_settings(cfg: Config, num_processes: int) -> harness_tasks.TaskSettings | None:
     if not cfg.tasks:
         if cfg.include_path or cfg.num_fewshot != -1 or cfg.limit:
@@ -426,13 +452,17 @@ def evaluate(cfg: Config) -> dict:
         check_model_files("--model", cfg.model)
     if cfg.tokenizer:
         check_model_files("--tokenizer", cfg.tokenizer)
-    docs = load_documents(cfg) if cfg.dataset else None
+    docs = load_documents(cfg) if cfg.dataset and not cfg.packed_seq_len else None
+    if cfg.packed_seq_len:  # refused now if the directory cannot be read so
+        token_data.training_data(cfg.dataset, cfg.packed_seq_len, cfg.eval_tokens)
     tasks = harness_tasks.load_tasks(settings) if settings else None
     model, tokenizer, prefix = load_model(cfg, device, ckpt)
     report = {"model": cfg.model}
     if ckpt is not None:
         report.update(checkpoint=str(ckpt.path), step=ckpt.step)
-    if docs is not None:
+    if cfg.packed_seq_len:
+        report.update(score_packed(cfg, state, model))
+    elif docs is not None:
         report.update(score_perplexity(cfg, state, (model, tokenizer, prefix), docs))
     if settings is not None:
         results = harness_tasks.run_tasks(model, tokenizer, settings, tasks)
@@ -445,11 +475,16 @@ def check_flags(cfg: Config) -> None:
     """The numeric flags, each on its own terms, before anything is loaded (the model's context is checked later)."""
     if cfg.batch_size < 1:
         raise UserError(f"--batch_size {cfg.batch_size} must be at least 1")
-    for name in ("max_length", "stride", "max_documents"):
+    for name in ("max_length", "stride", "max_documents", "packed_seq_len", "eval_tokens"):
         if getattr(cfg, name) < 0:
             raise UserError(f"--{name} {getattr(cfg, name)} must be 0 (the default) or positive")
     if cfg.max_length and cfg.stride > cfg.max_length:
         raise UserError(f"--stride {cfg.stride} must be between 1 and --max_length {cfg.max_length}")
+    if cfg.packed_seq_len and not (Path(cfg.dataset).expanduser() / "meta.json").is_file():
+        raise UserError(f"--packed_seq_len scores a prepare_data.py directory; --dataset {cfg.dataset!r} is not one")
+    if cfg.packed_seq_len and cfg.split != "validation":
+        raise UserError(f"--packed_seq_len scores the validation split, as train.py does; not --split {cfg.split}: "
+                        "add --split validation")  # fmt: skip
 
 
 def check_output_path(name: str) -> None:
@@ -483,6 +518,14 @@ def print_report(report: dict) -> None:
         for key in ("nll", "token_perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte"):
             print(f"  {key:<17}{report[key]:>14.4f}")
         print(f"  {report['tokens_per_s']:,.0f} tokens/s ({report['seconds']:.1f}s)")
+    if "packed_seq_len" in report:
+        print(
+            f"{model} on {report['dataset']} [validation] as train.py validates it: {report['windows']:,} windows of "
+            f"{report['packed_seq_len']} tokens, document masking {'on' if report['document_masking'] else 'off'}, "
+            f"{report['dtype']}, {processes}"
+        )
+        for key in sorted(k for k in report if k.startswith(("val_loss", "val_ppl", "val_bpb"))):
+            print(f"  {key:<28}{report[key]:>12.6f}")
     if "tasks" in report:
         batch_size = report["task_settings"]["batch_size"]
         print(f"{model}, lm-evaluation-harness tasks, {report['dtype']}, batch size {batch_size}, {processes}")

@@ -35,6 +35,7 @@ from deepseek_zero3.cli import UserError, field
 from deepseek_zero3.model import models, moe
 from deepseek_zero3.model.lmloss import DEFAULT_CHUNK_TOKENS, document_positions, loss_path, model_nll, validation_loss
 from deepseek_zero3.planning import plan
+from deepseek_zero3.recipe.schedule import Schedule, branch_settings, check_schedule_flags, parse_fractions, replan
 from deepseek_zero3.run_dir import checkpoint, metrics, reshard, resilience
 from deepseek_zero3.tokens import token_data
 
@@ -61,10 +62,19 @@ class Config:
     max_steps: int = field(0, "optimizer steps to train (0: use --num_epochs)")
     num_epochs: float = field(1.0, "passes over the training split when --max_steps is 0")
     lr: float = field(1e-3, "peak learning rate")
-    min_lr_ratio: float = field(0.1, "cosine decay floor as a fraction of --lr")
+    lr_schedule: str = field("cosine", "cosine, multistep (DeepSeek LLM's steps) or wsd (warmup-stable-decay)")
+    min_lr_ratio: float = field(0.1, "the floor of the cosine and WSD decays, as a fraction of --lr")
     warmup_steps: int = field(30, "linear warmup, in optimizer steps")
-    lr_decay_steps: int = field(0, "length of warmup + cosine decay in steps (0: the run's total steps); set it to "
+    lr_decay_steps: int = field(0, "length of the LR schedule in steps (0: the run's total steps); set it to "
                                    "train a long schedule in shorter runs")
+    multistep_at: str = field("0.8,0.9", "multistep: the LR is multiplied by --multistep_factor after these fractions "
+                                         "of the schedule")
+    multistep_factor: float = field(0.316, "multistep: the factor at each step down")
+    decay_fraction: float = field(0.2, "wsd: the share of the schedule spent decaying to --min_lr_ratio")
+    decay_shape: str = field("linear", "wsd and --decay_branch: linear, 1-sqrt or cosine")
+    decay_branch: int = field(0, "decay the LR to its floor over this many steps from the checkpoint given to "
+                                 "--resume, then export: a finished model in a new --output_dir, the run left to go on")
+    decay_start_step: int = field(0, "the step a decay branch starts at (set by --decay_branch; 0: none)")
     weight_decay: float = field(0.1, "AdamW weight decay (2-D weights only)")
     adam_beta1: float = field(0.9, "AdamW beta1")
     adam_beta2: float = field(0.95, "AdamW beta2")
@@ -117,28 +127,14 @@ class Config:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Schedule:
-    """Linear warmup that reaches peak_lr on step warmup_steps - 1, then a cosine that reaches the floor
-    (min_lr_ratio x peak_lr) on step decay_steps - 1 and stays there. A pure function of the optimizer step, written
-    into the optimizer's param groups, so a resumed run has the same LRs and no scheduler state to save."""
-
-    peak_lr: float
-    warmup_steps: int
-    decay_steps: int
-    min_lr_ratio: float
-
-    def lr(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return self.peak_lr * (step + 1) / self.warmup_steps
-        floor = self.peak_lr * self.min_lr_ratio
-        top = max(self.warmup_steps - 1, 0)  # the step that holds the peak
-        progress = min(1.0, (step - top) / max(1, self.decay_steps - 1 - top))
-        return floor + 0.5 * (self.peak_lr - floor) * (1 + math.cos(math.pi * progress))
-
-
 def schedule_for(cfg: Config, total_steps: int) -> Schedule:
-    return Schedule(cfg.lr, cfg.warmup_steps, cfg.lr_decay_steps or total_steps, cfg.min_lr_ratio)
+    """The LR schedule (recipe/schedule.py: cosine, DeepSeek's multistep, WSD; a decay branch), a pure function of the
+    optimizer step."""
+    return Schedule(
+        cfg.lr, cfg.warmup_steps, cfg.lr_decay_steps or total_steps, cfg.min_lr_ratio, cfg.lr_schedule,
+        parse_fractions(cfg.multistep_at, "--multistep_at"), cfg.multistep_factor, cfg.decay_fraction,
+        cfg.decay_shape, cfg.decay_start_step, cfg.decay_branch,
+    )  # fmt: skip
 
 
 def make_optimizer(model, cfg: Config):
@@ -237,7 +233,7 @@ def check_flags(cfg: Config) -> None:
             raise UserError(f"--{name} {getattr(cfg, name)} must be at least 1")
     never_negative = ("max_steps", "warmup_steps", "lr_decay_steps", "eval_every", "save_every", "eval_tokens",
                       "moe_bias_update_speed", "moe_aux_loss_alpha", "loss_chunk_tokens", "max_grad_norm",
-                      "max_skipped_steps")  # fmt: skip
+                      "max_skipped_steps", "decay_branch", "decay_start_step")  # fmt: skip
     for name in never_negative:
         if getattr(cfg, name) < 0:
             raise UserError(f"--{name} {getattr(cfg, name)} must not be negative")
@@ -247,6 +243,7 @@ def check_flags(cfg: Config) -> None:
         raise UserError(f"--num_epochs {cfg.num_epochs} must be positive when --max_steps is 0")
     if not cfg.lr > 0 or not 0 <= cfg.min_lr_ratio <= 1:
         raise UserError(f"--lr {cfg.lr} must be positive and --min_lr_ratio {cfg.min_lr_ratio} within [0, 1]")
+    check_schedule_flags(cfg)
     if cfg.attn_implementation not in ("sdpa", "eager"):
         raise UserError(f"--attn_implementation {cfg.attn_implementation!r} must be sdpa or eager")
     if 0 < cfg.eval_tokens < cfg.seq_len:
@@ -268,6 +265,8 @@ def check(cfg: Config, given: set[str], accelerator) -> Run:
     if resume is not None:
         cfg, resume = checkpoint.resume_settings(cfg, given, resume, accelerator.print)
         check_flags(cfg)
+    if cfg.decay_branch:
+        cfg = branch_settings(cfg, given, resume)
     one_source = resume is not None and "data_mix" not in resume.state  # a run from before mixtures: as it read it
     data = token_data.training_data(cfg.data_dir, cfg.seq_len, cfg.eval_tokens, cfg.data_mix, one_source)
     tokenizer = models.load_tokenizer(data.tokenizer_dir, "rebuild the data with prepare_data.py --overwrite")
@@ -291,8 +290,8 @@ def check(cfg: Config, given: set[str], accelerator) -> Run:
 
 
 def check_resume(run: Run, given: set[str]) -> str | None:
-    """Refuse a checkpoint this run cannot continue; returns a line to print when --lr_decay_steps re-plans the
-    schedule."""
+    """Refuse a checkpoint this run cannot continue; returns a line to print when the schedule changes (a new --lr,
+    --lr_decay_steps, a decay branch)."""
     state, path = run.resume.state, run.resume.path
     checkpoint.check_resume_compatible(state, run.identity(), path)
     reshard.check_global_batch(state, run.batch, path)
@@ -301,29 +300,13 @@ def check_resume(run: Run, given: set[str]) -> str | None:
             f"cannot resume {path}: it is at step {state['step']}, beyond this run's {run.total_steps} steps; raise "
             f"--max_steps (or --num_epochs)"
         )
-    return replan_schedule(run.schedule, state, given)
-
-
-def replan_schedule(schedule: Schedule, state: dict, given: set[str]) -> str | None:
-    """A resumed run keeps its schedule's length unless the command re-plans it with --lr_decay_steps (--max_steps alone
-    would stretch the cosine under the run's feet: refused). A new length, --lr, --warmup_steps or --min_lr_ratio
-    returns the line to print, with the LR at the resume step before and after."""
-    ran, new, step = state.get("config", {}), schedule.decay_steps, state["step"]
-    old = ran.get("lr_decay_steps") or state["total_steps"]
-    keys = {"peak_lr": "lr", "warmup_steps": "warmup_steps", "min_lr_ratio": "min_lr_ratio"}  # Schedule: Config
-    saved = dataclasses.replace(schedule, decay_steps=old, **{k: ran[f] for k, f in keys.items() if f in ran})
-    if saved == schedule:
-        return None
-    change = f"the LR at step {step} goes from {saved.lr(step):.3g} to {schedule.lr(step):.3g}"
-    if new == old:
-        return f"changed LR schedule: {change}"
-    if "lr_decay_steps" not in given:
-        raise UserError(
-            f"cannot resume: this command makes the LR schedule {new} steps long, the run's is {old} ({change}); "
-            f"give --lr_decay_steps {new} to re-plan the schedule, or --lr_decay_steps {old} to keep it and train "
-            f"on at its floor"
+    branching = run.cfg.decay_branch and run.cfg.decay_start_step == state["step"]  # from the original run's checkpoint
+    if branching and state["world_size"] != run.launch.world_size:
+        raise UserError(  # resharding would write a universal copy beside the original run's checkpoint
+            f"--decay_branch resumes on the {state['world_size']} processes that wrote {path}, not "
+            f"{run.launch.world_size}: launch it with --num_processes {state['world_size']}"
         )
-    return f"re-planned LR schedule: {old} -> {new} steps; {change}"
+    return replan(run.schedule, state, given)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

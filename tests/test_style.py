@@ -87,7 +87,7 @@ def test_setup_calls_the_planner_from_one_place():
     """train.py's setup phases (check, resume, plan, build) visit the planning package once: plan.plan_run."""
     tree = ast.parse((REPO / "train.py").read_text())
     planner = {"plan", "costs", "measure", "model_math"}
-    phases = {"setup", "check", "check_resume", "replan_schedule", "build_model"}
+    phases = {"setup", "check", "check_resume", "build_model"}
     calls = [
         (fn.name, f"{node.func.value.id}.{node.func.attr}")
         for fn in tree.body

@@ -215,11 +215,10 @@ def auto_num_proc(sources: list[corpora.Source]) -> int:
     return 1 if known and sum(s.total_bytes for s in sources) < cores * (32 << 20) else cores
 
 
-def source_tokens(counts: dict, earlier: list[dict]) -> dict:
-    """The tokens of each split the source just finished wrote: the split files hold the sources one after another."""
-    return {
-        split: c["tokens"] - sum(e.get("tokens", {}).get(split, 0) for e in earlier) for split, c in counts.items()
-    }
+def source_counts(counts: dict, earlier: list[dict], key: str) -> dict:
+    """The tokens (or text bytes) of each split the source just finished wrote: the split files hold the sources one
+    after another."""
+    return {split: c[key] - sum(e.get(key, {}).get(split, 0) for e in earlier) for split, c in counts.items()}
 
 
 def tokenize_all(sources: list[corpora.Source], job: Job, resume: dict | None) -> dict:
@@ -255,7 +254,8 @@ def tokenize_all(sources: list[corpora.Source], job: Job, resume: dict | None) -
                     w.sync()
                 if task.position["documents"] == 0 and task.position["source"] > 0:  # a source's end: its tokens
                     ended = per_source[task.position["source"] - 1]
-                    ended["tokens"] = source_tokens(counts, per_source[: task.position["source"] - 1])
+                    earlier = per_source[: task.position["source"] - 1]
+                    ended["tokens"], ended["bytes"] = (source_counts(counts, earlier, k) for k in ("tokens", "bytes"))
                 progress = {**job.stamp, "position": task.position, "splits": counts, "sources": per_source}
                 write_json_atomic(job.tmp_dir / "progress.json", progress)
                 if bar.disable:  # no terminal: a line per checkpoint instead of the bar

@@ -77,7 +77,8 @@ def validation_loss(
         positions = document_positions(inputs, eos_id) if eos_id is not None else None
         nll, n = model_nll(model, inputs, targets.to(accelerator.device), chunk_tokens, positions)
         total += torch.stack([nll, n])
-    total = accelerator.reduce(total, "sum")
+    if accelerator.num_processes > 1:  # an Accelerator (train.py) or a PartialState (eval.py)
+        torch.distributed.all_reduce(total)
     model.train()
     if not trained_trace:  # a trace recorded by training already covers these forwards; one recorded here does not
         forget_zero3_eval_trace(model)

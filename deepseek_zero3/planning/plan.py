@@ -15,6 +15,7 @@ from deepseek_zero3.cli import UserError
 from deepseek_zero3.distributed import read_launch
 from deepseek_zero3.planning import costs, measure, model_math
 from deepseek_zero3.planning.model_math import GIB
+from deepseek_zero3.recipe import scaling
 from deepseek_zero3.tokens import mixture
 from deepseek_zero3.tokens.token_data import num_windows
 
@@ -61,6 +62,9 @@ def plan_run(run, accelerator) -> RunPlan:
         f"epochs of {run.data.n_windows:,} windows); {accelerator.distributed_type.value}, {launch.precision}, "
         f"on {accelerator.device.type}{threads}" + source_passes(run)
     )
+    accelerator.print(run.schedule.describe())
+    deepseek = scaling.deepseek_lines(run.model_config, cfg.seq_len, cfg.lr, batch.tokens_per_step, run.total_steps)
+    accelerator.print("\n".join(deepseek))
     peak_flops, peak_source = measure.measure_peak_flops(accelerator, launch.precision)
     links = measure.measure_links(accelerator)
     device_gib = torch.cuda.get_device_properties(accelerator.device).total_memory / GIB if launch.gpu else 0.0
@@ -117,4 +121,6 @@ def print_plan(cfg, model_config) -> None:
         lines, _ = costs.compare(model_config, cfg, launch, machine, base)
     else:
         lines, _ = costs.plan_report(cfg, model_config, launch, machine, base, cfg.max_steps)
+        tokens_per_step = cfg.micro_batch_size * launch.grad_accum_steps * launch.world_size * cfg.seq_len
+        lines += scaling.deepseek_lines(model_config, cfg.seq_len, cfg.lr, tokens_per_step, cfg.max_steps)
     print("\n".join(lines))

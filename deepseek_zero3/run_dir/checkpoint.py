@@ -32,16 +32,16 @@ RESUME_CHANGEABLE = {
     "data_dir", "data_mix", "log_every", "eval_every", "eval_at_start", "eval_tokens", "save_every", "keep_last",
     "accelerate_config", "assumed_mfu", "interconnect_gb_s", "pcie_gb_s", "nvme_gb_s", "gpu_memory_gib",
     "host_memory_gib", "compare", "gradient_accumulation_steps", "ignore_memory_plan", "log_with", "micro_batch_size",
-    "gradient_checkpointing", "attn_implementation", "loss_chunk_tokens",
+    "gradient_checkpointing", "attn_implementation", "loss_chunk_tokens", "decay_branch",
 }  # fmt: skip
 # What the run's own messages advise after a divergence or a hang: a resume may change them, and metrics.jsonl records
 # the change at that step. (Weight decay, betas and epsilon are not among them: the checkpoint's optimizer state
 # brings its own back.)
 RESUME_RETUNABLE = {"lr", "min_lr_ratio", "warmup_steps", "max_grad_norm", "step_timeout_s", "max_skipped_steps"}
-# The LR schedule's length; changing it on resume needs an explicit --lr_decay_steps (schedule_on_resume).
+# The LR schedule's length; changing it on resume needs --lr_decay_steps or --decay_branch (schedule.replan).
 SCHEDULE_LENGTH = {"max_steps", "num_epochs", "lr_decay_steps"}
 # What a checkpoint saved before a setting existed ran with, where that is not the setting's default now.
-BEFORE_THE_FIELD = {"document_masking": False}
+BEFORE_THE_FIELD = {"document_masking": False, "lr_schedule": "cosine"}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -118,7 +118,7 @@ def mark_train_run(out: Path) -> None:
 
 def config_for_resume(cfg, given: set[str], saved: dict):
     """The settings of a resumed run: the checkpoint's for every field the command does not give. A command that
-    changes a training setting is refused; the schedule's length is checked by schedule_on_resume once known.
+    changes a training setting is refused; the schedule's length is checked by schedule.replan once known.
     Returns (the run's Config, the settings taken from the checkpoint that differ from this command's, the retunable
     settings this command changes as {name: [the run's, this command's]})."""
     taken, changed = {}, {}

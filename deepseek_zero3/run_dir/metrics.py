@@ -90,16 +90,32 @@ def source_tokens(run, step: int) -> dict:
     return {f"tokens/{s.name}": n * run.batch.seq_len for s, n in zip(run.data.sources, given)}
 
 
-def validation_record(run, step: int, losses: dict[str, float]) -> tuple[dict, str]:
-    """The record and console line of a validation: `val_loss` is the sources' losses weighted as the mixture weights
-    them (one source: its loss), beside each source's own (`val_loss/<source>`) when there are several."""
-    weights = {s.name: w for s, w in zip(run.data.sources, run.data.weights) if w > 0 and s.name in losses}
+def validation_metrics(sources, weights, losses: dict[str, float]) -> dict:
+    """`val_loss`: the sources' validation losses weighted as the mixture weights them (one source: its loss), and each
+    source's own (`val_loss/<source>`) when there are several. `val_bpb`, bits per byte: the loss in bits over the
+    UTF-8 bytes of text per token of the validation split (prepare_data.py counts both), so runs with different
+    tokenizers compare; for a mixture, its bits over its bytes per token, each weighted as in val_loss. Left out where
+    the data does not record its bytes. (sources, weights: token_data.TrainingData's; also eval.py's.)"""
+    weights = {s.name: w for s, w in zip(sources, weights) if w > 0 and s.name in losses}
     total = sum(weights.values())
     val = sum(float(w / total) * losses[name] for name, w in weights.items()) if total else float("nan")
-    record = {"step": step, "tokens": step * run.batch.tokens_per_step, "val_loss": val, "val_ppl": math.exp(val)}
-    console = f"step {step} | val loss {val:.4f} | val ppl {math.exp(val):.2f}"
-    if len(run.data.sources) > 1:
+    record = {"val_loss": val, "val_ppl": math.exp(val)}
+    per_token = {s.name: s.val_bytes_per_token for s in sources}
+    if total and all(per_token[name] for name in weights):
+        record["val_bpb"] = val / math.log(2) / sum(float(w / total) * per_token[n] for n, w in weights.items())
+    if len(sources) > 1:
         record.update({f"val_loss/{name}": loss for name, loss in losses.items()})
+        record.update({f"val_bpb/{n}": loss / math.log(2) / per_token[n] for n, loss in losses.items() if per_token[n]})
+    return record
+
+
+def validation_record(run, step: int, losses: dict[str, float]) -> tuple[dict, str]:
+    """The record (validation_metrics) and console line of a validation at `step`."""
+    record = {"step": step, "tokens": step * run.batch.tokens_per_step}
+    record.update(validation_metrics(run.data.sources, run.data.weights, losses))
+    console = f"step {step} | val loss {record['val_loss']:.4f} | val ppl {record['val_ppl']:.2f}"
+    console += f" | val bpb {record['val_bpb']:.4f}" if "val_bpb" in record else ""
+    if len(run.data.sources) > 1:
         console += "".join(f" | {name} {loss:.4f}" for name, loss in losses.items())
     return record, console
 

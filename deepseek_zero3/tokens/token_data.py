@@ -207,6 +207,19 @@ def source_ranges(meta: dict) -> list[tuple[str, dict[str, tuple[int, int]]]]:
     return out
 
 
+def bytes_per_token(meta: dict, source: int | None, split: str) -> float | None:
+    """UTF-8 bytes of the text per token (EOS included) of a split, of the whole directory (source None) or of its
+    source number `source`, as prepare_data.py counted them; None where it did not (directories prepared before)."""
+    if source is None:
+        counts = meta["splits"].get(split, {})
+        n_bytes, tokens = counts.get("bytes"), counts.get("tokens")
+    else:
+        entry = meta["sources"][source]
+        n_bytes, tokens = entry.get("bytes", {}).get(split), entry["tokens"].get(split)
+    ok = _count(n_bytes) and _count(tokens) and n_bytes > 0 and tokens > 0
+    return n_bytes / tokens if ok else None
+
+
 @dataclasses.dataclass
 class Source:
     """One source's tokens (views of the memory-mapped files) and its training windows."""
@@ -215,6 +228,7 @@ class Source:
     train_tokens: np.ndarray
     val_tokens: np.ndarray  # the first eval_tokens + 1 of its validation tokens
     n_windows: int
+    val_bytes_per_token: float | None = None  # UTF-8 bytes of its validation text per token (None: not recorded)
 
 
 @dataclasses.dataclass
@@ -260,7 +274,7 @@ def training_data(data_dir: str, seq_len: int, eval_tokens: int, data_mix: str =
         ranges = source_ranges(meta)
         if one_source:
             ranges = [("+".join(name for name, _ in ranges), {s: (0, c["tokens"]) for s, c in meta["splits"].items()})]
-        for name, r in ranges:
+        for index, (name, r) in enumerate(ranges):
             train = splits["train"][slice(*r["train"])]
             val = splits["validation"][slice(*r["validation"])]
             val = val[: eval_tokens + 1] if eval_tokens else val
@@ -269,7 +283,8 @@ def training_data(data_dir: str, seq_len: int, eval_tokens: int, data_mix: str =
             base, i = unique, 2
             while unique in taken:  # the same directory name twice (a/data, b/data): data/x, data/x-2
                 unique, i = f"{base}-{i}", i + 1
-            sources.append(Source(unique, train, val, num_windows(len(train), seq_len)))
+            bpt = bytes_per_token(meta, None if len(ranges) == 1 else index, "validation")
+            sources.append(Source(unique, train, val, num_windows(len(train), seq_len), bpt))
     weights = mixture.parse_mix(data_mix, [s.name for s in sources], [s.n_windows for s in sources])
     for source, weight in zip(sources, weights):
         if weight > 0 and source.n_windows < 1:

@@ -1,0 +1,184 @@
+"""The learning-rate schedules: a pure function of the optimizer step, written into the optimizer's param groups each
+step, so a resumed run has the same LRs and no scheduler state to save.
+
+    cosine     linear warmup, then a cosine from the peak to min_lr_ratio x peak over the schedule's length (default)
+    multistep  DeepSeek LLM's (arXiv:2401.02954, Section 2.3): linear warmup, the peak until 80% of the schedule, then
+               x0.316 until 90%, then x0.316 again (fractions and factor are flags); its first 80% can be reused to
+               train on
+    wsd        warmup-stable-decay: warmup, the peak, then a decay to min_lr_ratio x peak over the last decay_fraction
+               of the schedule, linear, 1-sqrt or cosine in shape
+
+Any of them can be cut short by a decay branch (train.py --decay_branch K): from step branch_at, the LR decays from
+where the schedule had it to the floor over K steps (branch_steps), in decay_shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+from deepseek_zero3.cli import UserError
+
+KINDS = ("cosine", "multistep", "wsd")
+SHAPES = ("linear", "1-sqrt", "cosine")
+
+
+def decayed(fraction: float, shape: str) -> float:
+    """How much of the way from the top to the floor is left after `fraction` of a decay: 1 at 0, 0 at 1."""
+    fraction = min(1.0, max(0.0, fraction))
+    if shape == "linear":
+        return 1.0 - fraction
+    if shape == "1-sqrt":
+        return 1.0 - math.sqrt(fraction)
+    return 0.5 * (1.0 + math.cos(math.pi * fraction))
+
+
+def first_step_past(fraction: float, length: int) -> int:
+    """The first optimizer step whose tokens come after `fraction` of a schedule `length` steps long (steps 0..s-1
+    have then trained on at least that share). Rounded so that 0.8 x 10 is 8, not 9."""
+    return math.ceil(round(fraction * length, 9))
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """peak_lr reached on step warmup_steps - 1; `length` steps in all (the cosine and the WSD decay reach the floor,
+    min_lr_ratio x peak_lr, on step length - 1 and stay there)."""
+
+    peak_lr: float
+    warmup_steps: int
+    length: int
+    min_lr_ratio: float
+    kind: str = "cosine"
+    multistep_at: tuple[float, ...] = (0.8, 0.9)
+    multistep_factor: float = 0.316
+    decay_fraction: float = 0.2
+    decay_shape: str = "linear"
+    branch_at: int = 0  # a decay branch's first step (0: none)
+    branch_steps: int = 0  # and its length: it reaches the floor on step branch_at + branch_steps - 1
+
+    def lr(self, step: int) -> float:
+        if self.branch_at and step >= self.branch_at:
+            top, span = self.shape_lr(self.branch_at - 1), max(1, self.branch_steps)
+            return self.floor + (top - self.floor) * decayed((step - self.branch_at + 1) / span, self.decay_shape)
+        return self.shape_lr(step)
+
+    @property
+    def floor(self) -> float:
+        return self.peak_lr * self.min_lr_ratio
+
+    def shape_lr(self, step: int) -> float:
+        warm = self.peak_lr * (step + 1) / self.warmup_steps if step < self.warmup_steps else self.peak_lr
+        if self.kind == "multistep":
+            passed = sum(step >= first_step_past(f, self.length) for f in self.multistep_at)
+            return warm * self.multistep_factor**passed
+        if self.kind == "wsd":
+            span = max(1, round(self.decay_fraction * self.length))
+            start = self.length - span
+            if step < start:
+                return warm
+            return min(warm, self.floor + (self.peak_lr - self.floor) * decayed((step - start + 1) / span,
+                                                                                 self.decay_shape))
+        if step < self.warmup_steps:
+            return warm
+        top = max(self.warmup_steps - 1, 0)  # the step that holds the peak
+        progress = (step - top) / max(1, self.length - 1 - top)
+        return self.floor + (self.peak_lr - self.floor) * decayed(progress, "cosine")
+
+    def describe(self) -> str:
+        """One line for the console: the shape and its boundary steps."""
+        warm = f"warmup {self.warmup_steps} steps to {self.peak_lr:.3g}"
+        if self.kind == "multistep":
+            cuts = ", ".join(f"x{self.multistep_factor:g} from step {first_step_past(f, self.length)}"
+                             for f in self.multistep_at)  # fmt: skip
+            shape = f"multistep: {warm}, {cuts}"
+        elif self.kind == "wsd":
+            span = max(1, round(self.decay_fraction * self.length))
+            shape = (f"wsd: {warm}, constant, {self.decay_shape} decay to {self.floor:.3g} over steps "
+                     f"{self.length - span}-{self.length - 1}")  # fmt: skip
+        else:
+            shape = f"cosine: {warm}, cosine to {self.floor:.3g} at step {self.length - 1}"
+        if self.branch_at:
+            end = self.branch_at + self.branch_steps - 1
+            shape += (f"; decay branch: from step {self.branch_at} ({self.lr(self.branch_at - 1):.3g}) to "
+                      f"{self.floor:.3g} at step {end}, {self.decay_shape}")  # fmt: skip
+        return f"LR schedule {shape}"
+
+
+def parse_fractions(text: str, flag: str) -> tuple[float, ...]:
+    """--multistep_at '0.8,0.9': increasing fractions in (0, 1). Raises ValueError naming the flag."""
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} {text!r} must be fractions separated by commas, e.g. 0.8,0.9") from None
+    if not values or any(not 0 < v < 1 for v in values) or list(values) != sorted(set(values)):
+        raise ValueError(f"{flag} {text!r} must be increasing fractions between 0 and 1, e.g. 0.8,0.9")
+    return values
+
+
+def check_schedule_flags(cfg) -> None:
+    """train.py's schedule flags (cfg: its Config), each refused in one line."""
+    if cfg.lr_schedule not in KINDS:
+        raise UserError(f"--lr_schedule {cfg.lr_schedule!r} must be one of {', '.join(KINDS)}")
+    if cfg.decay_shape not in SHAPES:
+        raise UserError(f"--decay_shape {cfg.decay_shape!r} must be one of {', '.join(SHAPES)}")
+    if not 0 < cfg.multistep_factor <= 1:
+        raise UserError(f"--multistep_factor {cfg.multistep_factor} must be in (0, 1] (DeepSeek LLM's: 0.316)")
+    if not 0 < cfg.decay_fraction <= 1:
+        raise UserError(f"--decay_fraction {cfg.decay_fraction} must be in (0, 1], e.g. 0.2 for the last 20%")
+    try:
+        parse_fractions(cfg.multistep_at, "--multistep_at")
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+def branch_settings(cfg, given: set[str], resume):
+    """--decay_branch K: the run's Config for a decay branch from the checkpoint resume names (checkpoint.Resume): it
+    ends K steps after that checkpoint's step N, decaying from step N, in a new --output_dir; the schedule before N
+    keeps the run's length. A branch resumed from its own checkpoints keeps the step it branched at."""
+    if resume is None:
+        raise UserError(
+            f"--decay_branch {cfg.decay_branch} decays from a checkpoint: give one with --resume "
+            "OUT/checkpoints/step_N and a new --output_dir"
+        )
+    if cfg.decay_start_step:  # this branch's own checkpoint
+        ran = resume.state.get("config", {}).get("decay_branch")
+        if ran != cfg.decay_branch:
+            raise UserError(f"cannot resume: this branch decays over --decay_branch {ran} steps; drop --decay_branch "
+                            f"{cfg.decay_branch} (or branch anew from the original run's checkpoint)")  # fmt: skip
+        return cfg
+    ran = resume.state.get("config", {})
+    changed = sorted(f for f in given & {"max_steps", "num_epochs", "lr_decay_steps"} if getattr(cfg, f) != ran.get(f))
+    if changed:  # the run's own command repeated is fine
+        raise UserError("--decay_branch K sets the run's length (the checkpoint's step + K): drop "
+                        + " ".join(f"--{f} {getattr(cfg, f)}" for f in changed))  # fmt: skip
+    if Path(cfg.output_dir).resolve() == resume.path.resolve().parent.parent:
+        raise UserError(
+            f"--decay_branch writes a new run: give a new --output_dir (not {cfg.output_dir}, whose run keeps its "
+            "constant phase and can go on with --resume auto)"
+        )
+    step, length = resume.state["step"], cfg.lr_decay_steps or resume.state["total_steps"]
+    return dataclasses.replace(cfg, decay_start_step=step, max_steps=step + cfg.decay_branch, lr_decay_steps=length)
+
+
+def replan(schedule: Schedule, state: dict, given: set[str]) -> str | None:
+    """A resumed run keeps its schedule's length unless the command re-plans it with --lr_decay_steps (--max_steps
+    alone would stretch the decay under the run's feet: refused). A new length, --lr, --warmup_steps, --min_lr_ratio
+    or a decay branch returns the line to print, with the LR at the resume step before and after."""
+    ran, new, step = state.get("config", {}), schedule.length, state["step"]
+    old = ran.get("lr_decay_steps") or state["total_steps"]
+    keys = {"peak_lr": "lr", "warmup_steps": "warmup_steps", "min_lr_ratio": "min_lr_ratio",
+            "branch_at": "decay_start_step", "branch_steps": "decay_branch"}  # Schedule: Config  # fmt: skip
+    saved = dataclasses.replace(schedule, length=old, **{k: ran[f] for k, f in keys.items() if f in ran})
+    if saved == schedule:
+        return None
+    change = f"the LR at step {step} goes from {saved.lr(step):.3g} to {schedule.lr(step):.3g}"
+    if new == old:
+        return f"changed LR schedule: {change}"
+    if "lr_decay_steps" not in given:
+        raise UserError(
+            f"cannot resume: this command makes the LR schedule {new} steps long, the run's is {old} ({change}); "
+            f"give --lr_decay_steps {new} to re-plan the schedule, or --lr_decay_steps {old} to keep it and train "
+            f"on at its floor"
+        )
+    return f"re-planned LR schedule: {old} -> {new} steps; {change}"

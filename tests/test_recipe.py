@@ -1,0 +1,166 @@
+"""DeepSeek's recipe: the LR schedules (cosine, multistep, WSD, a decay branch), the scaling laws of the plan, bits per
+byte. The real runs: one ZeRO-3 process on the shared two-source data, a WSD run, a decay branch from its constant
+phase, a resume inside its decay, eval.py on its final model."""
+
+import hashlib
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import TINY, launch, metrics, run, train_records
+
+import train
+from deepseek_zero3.recipe import scaling
+from deepseek_zero3.recipe.schedule import Schedule, first_step_past
+from deepseek_zero3.tokens import token_data
+
+
+def test_multistep_is_deepseeks_shape():
+    """DeepSeek LLM Sec. 2.3: warmup, the peak, x0.316 once 80% of the tokens are trained on, x0.316 again at 90%."""
+    s = Schedule(1.0, 20, 1000, 0.1, "multistep")
+    assert [s.lr(i) for i in (0, 18, 19)] == pytest.approx([1 / 20, 19 / 20, 1.0], rel=1e-12)  # warmup ends on 19
+    assert s.lr(799) == 1.0 and s.lr(800) == pytest.approx(0.316) and s.lr(899) == pytest.approx(0.316)
+    assert s.lr(900) == pytest.approx(0.316**2) and s.lr(5000) == pytest.approx(0.316**2)
+    assert first_step_past(0.8, 10) == 8 and first_step_past(0.9, 10) == 9  # 0.8 x 10 is 8.000000000000002
+    other = Schedule(2.0, 0, 100, 0.1, "multistep", multistep_at=(0.5,), multistep_factor=0.1)
+    assert other.lr(49) == 2.0 and other.lr(50) == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize(
+    "shape, mid", [("linear", 0.55), ("1-sqrt", 1 - 0.9 * math.sqrt(0.5)), ("cosine", 0.55)]
+)  # fmt: skip
+def test_wsd_decays_over_its_last_fraction(shape, mid):
+    """Warmup 2, 20 steps, the last 20% (4 steps, 16-19) decaying to the floor 0.1 in the given shape."""
+    s = Schedule(1.0, 2, 20, 0.1, "wsd", decay_fraction=0.2, decay_shape=shape)
+    assert [s.lr(i) for i in (0, 1, 15)] == [0.5, 1.0, 1.0]
+    assert s.lr(17) == pytest.approx(mid) and s.lr(19) == pytest.approx(0.1) and s.lr(30) == pytest.approx(0.1)
+    assert all(s.lr(i) > s.lr(i + 1) for i in range(15, 19))
+
+
+def test_decay_branch_decays_from_where_the_schedule_was():
+    s = Schedule(1.0, 2, 100, 0.1, "wsd", branch_at=50, branch_steps=4)
+    assert [s.lr(i) for i in (49, 50, 51, 52, 53, 60)] == pytest.approx([1.0, 0.775, 0.55, 0.325, 0.1, 0.1])
+    cosine = Schedule(1.0, 2, 100, 0.1, branch_at=50, branch_steps=2, decay_shape="1-sqrt")
+    top = Schedule(1.0, 2, 100, 0.1).lr(49)
+    assert cosine.lr(49) == top and cosine.lr(50) == pytest.approx(0.1 + (top - 0.1) * (1 - math.sqrt(0.5)))
+
+
+def test_scaling_laws_reproduce_the_papers_table_2():
+    """Eq. 1 at the compute of DeepSeek LLM 7B and 67B (M by Eq. 2 at a 4096-token context, 2T tokens) against the
+    LR and batch of the paper's Table 2 (7B: 4.2e-4, 2304 x 4096 tokens; 67B: 3.2e-4, 4608 x 4096)."""
+    for layers, width, lr, batch in ((30, 4096, 4.2e-4, 2304 * 4096), (95, 8192, 3.2e-4, 4608 * 4096)):
+        compute = scaling.model_scale(layers, width, 4096) * 2e12
+        assert scaling.optimal_lr(compute) == pytest.approx(lr, rel=0.03)
+        assert scaling.optimal_batch_tokens(compute) == pytest.approx(batch, rel=0.1)
+    # By hand: M = 72 x 30 x 4096^2 + 12 x 30 x 4096 x 4096 = 42,278,584,320; Eq. 4 splits C = M x D and
+    # M_opt x D_opt = 0.1715 x 5.8316 C^(0.5243 + 0.4757) = 1.0001 C.
+    assert scaling.model_scale(30, 4096, 4096) == 42_278_584_320
+    m_opt, d_opt = scaling.optimal_scale(1e21)
+    assert m_opt * d_opt == pytest.approx(1e21, rel=1e-3)
+
+
+def test_plan_prints_deepseeks_lines_for_7b():
+    proc = run([sys.executable, "train.py", "--plan", "--model_config", "deepseek-7b", "--seq_len", "4096",
+                "--max_steps", "1000", "--micro_batch_size", "1", "--lr", "1e-2", "--data_dir", "none"])  # fmt: skip
+    tokens = 1000 * 4096 * 3  # the CPU config: 3 processes, micro-batch 1
+    compute = scaling.model_scale(30, 4096, 4096) * tokens
+    assert f"= {compute:.3g} FLOPs" in proc.stdout
+    assert f"peak LR {scaling.optimal_lr(compute):.3g} (this run: 0.01)" in proc.stdout
+    assert "advice: this run's peak LR is" in proc.stdout and "advice: this run's global batch is 1/" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--lr_schedule", "step"], "--lr_schedule 'step' must be one of cosine, multistep, wsd"),
+        (["--multistep_at", "0.9,0.8"], "--multistep_at '0.9,0.8' must be increasing fractions"),
+        (["--decay_shape", "sqrt"], "--decay_shape 'sqrt' must be one of linear, 1-sqrt, cosine"),
+        (["--decay_fraction", "0"], "--decay_fraction 0.0 must be in (0, 1]"),
+        (["--decay_branch", "5"], "--decay_branch 5 decays from a checkpoint: give one with --resume"),
+    ],
+)
+def test_schedule_flags_refused_in_one_line(docs_data, tmp_path, flags, named):
+    proc = run([sys.executable, "train.py", *TINY, "--data_dir", docs_data, "--output_dir", tmp_path / "o", *flags],
+               check=False)  # fmt: skip
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and named in errors[0], proc.stderr[-2000:]
+    assert not (tmp_path / "o").exists()
+
+
+def digest(directory: Path, skip=()) -> str:
+    h = hashlib.sha256()
+    for p in sorted(p for p in directory.rglob("*") if p.name not in skip):
+        h.update(str(p.relative_to(directory)).encode() + (p.read_bytes() if p.is_file() else b"/"))
+    return h.hexdigest()
+
+
+WSD = [*TINY, "--max_steps", "10", "--micro_batch_size", "4", "--lr_schedule", "wsd", "--decay_fraction", "0.4",
+       "--save_every", "4", "--keep_last", "3", "--eval_every", "4", "--eval_tokens", "4096"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def wsd_run(docs_data, tmp_path_factory):
+    """One ZeRO-3 process, 10 steps of WSD (warmup 2, the decay on steps 6-9), checkpoints at 4, 8 and 10, validation
+    at 0, 4, 8 and 10. Returns OUT."""
+    out = tmp_path_factory.mktemp("wsd") / "out"
+    launch(1, *WSD, "--data_dir", docs_data, "--output_dir", out)
+    return out
+
+
+def test_wsd_run_logs_the_schedule_and_resumes_inside_its_decay(wsd_run, docs_data):
+    straight = train_records(wsd_run)
+    expected = Schedule(3e-3, 2, 10, 0.1, "wsd", decay_fraction=0.4)
+    assert [straight[s]["lr"] for s in range(1, 11)] == pytest.approx([expected.lr(i) for i in range(10)], rel=1e-12)
+    assert straight[6]["lr"] == 3e-3 and straight[7]["lr"] < 3e-3 and straight[10]["lr"] == pytest.approx(3e-4)
+    # The original run after the branch below (or before it: the branch never writes here): resumed inside its decay,
+    # steps 9 and 10 again, equal to the straight run's.
+    launch(1, *WSD, "--data_dir", docs_data, "--output_dir", wsd_run, "--resume", wsd_run / "checkpoints" / "step_8")
+    again = train_records(wsd_run)
+    for step in (9, 10):
+        assert (again[step]["loss"], again[step]["lr"]) == (straight[step]["loss"], straight[step]["lr"]), step
+
+
+def test_decay_branch_finishes_a_model_and_leaves_the_run_alone(wsd_run, docs_data, tmp_path):
+    """From the constant phase (step 4), a 3-step decay into a new directory: the LR falls to the floor, the branch
+    exports a model whose validation loss is below the checkpoint's, and the original directory is untouched."""
+    before, branch = digest(wsd_run), tmp_path / "decayed"
+    proc = launch(1, *WSD, "--data_dir", docs_data, "--output_dir", branch, "--resume",
+                  wsd_run / "checkpoints" / "step_4", "--decay_branch", "3")  # fmt: skip
+    assert digest(wsd_run) == before
+    before = digest(wsd_run, skip={".lock"})  # which a command aimed at the run's directory takes
+    assert "decay branch: from step 4 (0.003) to 0.0003 at step 6, linear" in proc.stdout
+    records = train_records(branch)
+    assert sorted(records) == [5, 6, 7] and records[7]["lr"] == pytest.approx(3e-4)
+    assert records[5]["lr"] == pytest.approx(3e-4 + 2.7e-3 * 2 / 3)
+    vals = {r["step"]: r["val_loss"] for r in metrics(wsd_run) if "val_loss" in r}
+    final = [r["val_loss"] for r in metrics(branch) if "val_loss" in r][-1]
+    assert final < vals[4] and (branch / "final" / "config.json").is_file()
+    state = json.loads((branch / "checkpoints" / "step_7" / "trainer_state.json").read_text())
+    assert state["config"]["decay_start_step"] == 4 and state["config"]["lr_decay_steps"] == 10
+    for out, extra, named in ((wsd_run, [], "give a new --output_dir"),
+                              (tmp_path / "other", ["--max_steps", "20"], "drop --max_steps 20")):  # fmt: skip
+        refused = run([sys.executable, "train.py", *WSD, "--data_dir", docs_data, "--output_dir", out, "--resume",
+                       wsd_run / "checkpoints" / "step_4", "--decay_branch", "3", *extra], check=False)  # fmt: skip
+        assert refused.returncode == 2 and named in refused.stderr.splitlines()[-1], refused.stderr[-2000:]
+    assert digest(wsd_run, skip={".lock"}) == before
+
+
+def test_val_bpb_equals_eval_py(wsd_run, docs_data, tmp_path):
+    """train.py's last val_bpb (and per source) against eval.py's packed scoring of OUT/final on the same windows,
+    and its definition: the loss in bits over the validation split's UTF-8 bytes per token from meta.json."""
+    last = [r for r in metrics(wsd_run) if "val_bpb" in r][-1]
+    meta = token_data.read_meta(docs_data)
+    source = meta["sources"][0]
+    per_token = source["bytes"]["validation"] / source["tokens"]["validation"]
+    name = source["name"]
+    assert last[f"val_bpb/{name}"] == pytest.approx(last[f"val_loss/{name}"] / math.log(2) / per_token, rel=1e-12)
+    assert sum(s["bytes"]["validation"] for s in meta["sources"]) == meta["splits"]["validation"]["bytes"]
+    report = tmp_path / "eval.json"
+    run([sys.executable, "eval.py", "--model", wsd_run / "final", "--dataset", docs_data, "--split", "validation",
+         "--packed_seq_len", "32", "--eval_tokens", "4096", "--output_json", report])  # fmt: skip
+    scored = json.loads(report.read_text())
+    for key in [k for k in last if k.startswith(("val_loss", "val_bpb"))]:
+        assert scored[key] == pytest.approx(last[key], abs=1e-6), key
+    assert train.Config().lr_schedule == "cosine"  # the default stays
