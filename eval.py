@@ -394,10 +394,10 @@ def score_perplexity(cfg: Config, state, loaded: tuple, documents: tuple) -> dic
     return report
 
 
-def score_packed(cfg: Config, state, model) -> dict:
+def score_packed(cfg: Config, state, model, data: token_data.TrainingData) -> dict:
     """train.py's validation of the prepared directory --dataset (the same windows, document masking and default
-    weights of its sources): the val_loss and val_bpb (and per source) that train.py logs for these weights."""
-    data = token_data.training_data(cfg.dataset, cfg.packed_seq_len, cfg.eval_tokens)
+    weights of its sources; data: token_data.training_data of it): the val_loss and val_bpb (and per source) that
+    train.py logs for these weights."""
     eos = data.meta["eos_id"] if cfg.document_masking else None
     t0 = time.perf_counter()
     losses = {
@@ -453,15 +453,15 @@ def evaluate(cfg: Config) -> dict:
     if cfg.tokenizer:
         check_model_files("--tokenizer", cfg.tokenizer)
     docs = load_documents(cfg) if cfg.dataset and not cfg.packed_seq_len else None
-    if cfg.packed_seq_len:  # refused now if the directory cannot be read so
-        token_data.training_data(cfg.dataset, cfg.packed_seq_len, cfg.eval_tokens)
+    # read (and refused) before the model is built
+    packed = token_data.training_data(cfg.dataset, cfg.packed_seq_len, cfg.eval_tokens) if cfg.packed_seq_len else None
     tasks = harness_tasks.load_tasks(settings) if settings else None
     model, tokenizer, prefix = load_model(cfg, device, ckpt)
     report = {"model": cfg.model}
     if ckpt is not None:
         report.update(checkpoint=str(ckpt.path), step=ckpt.step)
-    if cfg.packed_seq_len:
-        report.update(score_packed(cfg, state, model))
+    if packed is not None:
+        report.update(score_packed(cfg, state, model, packed))
     elif docs is not None:
         report.update(score_perplexity(cfg, state, (model, tokenizer, prefix), docs))
     if settings is not None:

@@ -64,6 +64,11 @@ class Schedule:
         return self.shape_lr(step)
 
     @property
+    def decay_start(self) -> int:
+        """wsd: the first step of its decay, which spans the last decay_fraction of the schedule (at least one)."""
+        return self.length - max(1, round(self.decay_fraction * self.length))
+
+    @property
     def floor(self) -> float:
         return self.peak_lr * self.min_lr_ratio
 
@@ -73,8 +78,8 @@ class Schedule:
             passed = sum(step >= first_step_past(f, self.length) for f in self.multistep_at)
             return warm * self.multistep_factor**passed
         if self.kind == "wsd":
-            span = max(1, round(self.decay_fraction * self.length))
-            start = self.length - span
+            start = self.decay_start
+            span = self.length - start
             if step < start:
                 return warm
             return min(warm, self.floor + (self.peak_lr - self.floor) * decayed((step - start + 1) / span,
@@ -93,9 +98,8 @@ class Schedule:
                              for f in self.multistep_at)  # fmt: skip
             shape = f"multistep: {warm}, {cuts}"
         elif self.kind == "wsd":
-            span = max(1, round(self.decay_fraction * self.length))
             shape = (f"wsd: {warm}, constant, {self.decay_shape} decay to {self.floor:.3g} over steps "
-                     f"{self.length - span}-{self.length - 1}")  # fmt: skip
+                     f"{self.decay_start}-{self.length - 1}")  # fmt: skip
         else:
             shape = f"cosine: {warm}, cosine to {self.floor:.3g} at step {self.length - 1}"
         if self.branch_at:
