@@ -346,7 +346,7 @@ def build_model(run: Run, accelerator):
     if cfg.init_from and run.resume is None:  # a resumed fine-tune's weights come from its checkpoint
         model = AutoModelForCausalLM.from_pretrained(cfg.init_from, **model_kwargs)
     else:
-        model = AutoModelForCausalLM.from_config(run.model_config, **model_kwargs)
+        model = models.scale_residual_init(AutoModelForCausalLM.from_config(run.model_config, **model_kwargs))
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())

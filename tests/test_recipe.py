@@ -109,19 +109,6 @@ def wsd_run(docs_data, tmp_path_factory):
     return out
 
 
-def test_wsd_run_logs_the_schedule_and_resumes_inside_its_decay(wsd_run, docs_data):
-    straight = train_records(wsd_run)
-    expected = Schedule(3e-3, 2, 10, 0.1, "wsd", decay_fraction=0.4)
-    assert [straight[s]["lr"] for s in range(1, 11)] == pytest.approx([expected.lr(i) for i in range(10)], rel=1e-12)
-    assert straight[6]["lr"] == 3e-3 and straight[7]["lr"] < 3e-3 and straight[10]["lr"] == pytest.approx(3e-4)
-    # The original run after the branch below (or before it: the branch never writes here): resumed inside its decay,
-    # steps 9 and 10 again, equal to the straight run's.
-    launch(1, *WSD, "--data_dir", docs_data, "--output_dir", wsd_run, "--resume", wsd_run / "checkpoints" / "step_8")
-    again = train_records(wsd_run)
-    for step in (9, 10):
-        assert (again[step]["loss"], again[step]["lr"]) == (straight[step]["loss"], straight[step]["lr"]), step
-
-
 def test_decay_branch_finishes_a_model_and_leaves_the_run_alone(wsd_run, docs_data, tmp_path):
     """From the constant phase (step 4), a 3-step decay into a new directory: the LR falls to the floor, the branch
     exports a model whose validation loss is below the checkpoint's, and the original directory is untouched."""
@@ -145,6 +132,19 @@ def test_decay_branch_finishes_a_model_and_leaves_the_run_alone(wsd_run, docs_da
                        wsd_run / "checkpoints" / "step_4", "--decay_branch", "3", *extra], check=False)  # fmt: skip
         assert refused.returncode == 2 and named in refused.stderr.splitlines()[-1], refused.stderr[-2000:]
     assert digest(wsd_run, skip={".lock"}) == before
+
+
+def test_wsd_run_logs_the_schedule_and_resumes_inside_its_decay(wsd_run, docs_data):
+    straight = train_records(wsd_run)
+    expected = Schedule(3e-3, 2, 10, 0.1, "wsd", decay_fraction=0.4)
+    assert [straight[s]["lr"] for s in range(1, 11)] == pytest.approx([expected.lr(i) for i in range(10)], rel=1e-12)
+    assert straight[6]["lr"] == 3e-3 and straight[7]["lr"] < 3e-3 and straight[10]["lr"] == pytest.approx(3e-4)
+    # The original run after the branch above (this file's tests run in order): resumed inside its decay, steps 9 and
+    # 10 again, equal to the straight run's, as if it had never been branched.
+    launch(1, *WSD, "--data_dir", docs_data, "--output_dir", wsd_run, "--resume", wsd_run / "checkpoints" / "step_8")
+    again = train_records(wsd_run)
+    for step in (9, 10):
+        assert (again[step]["loss"], again[step]["lr"]) == (straight[step]["loss"], straight[step]["lr"]), step
 
 
 def test_val_bpb_equals_eval_py(wsd_run, docs_data, tmp_path):

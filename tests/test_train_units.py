@@ -281,3 +281,25 @@ def test_a_negative_clip_or_skip_limit_is_refused(flag):
     """A negative --max_grad_norm flipped every gradient's sign (clip_grad_norm_ scales by max_norm / norm)."""
     with pytest.raises(UserError, match=f"--{flag} -1 must not be negative"):
         train.check_flags(train.Config(**{flag: -1}))
+
+
+@pytest.mark.parametrize("preset", ["mini", "deepseek-v3-tiny"])
+def test_residual_outputs_drawn_with_depth_scaled_std(preset):
+    """The weights that write into the residual stream (o_proj, down_proj: dense, shared and routed experts) have std
+    initializer_range / sqrt(2 x layers); every other matrix keeps initializer_range."""
+    from transformers import AutoModelForCausalLM
+
+    c = _config(preset)
+    c.vocab_size = 4096
+    torch.manual_seed(0)
+    model = models.scale_residual_init(AutoModelForCausalLM.from_config(c))
+    scaled = c.initializer_range / math.sqrt(2 * c.num_hidden_layers)
+    seen = 0
+    for name, p in model.named_parameters():
+        if p.dim() < 2:  # norms, biases
+            continue
+        residual = name.endswith(models.RESIDUAL_OUTPUTS)
+        seen += residual
+        rel = 0.05 if p.numel() >= 10_000 else 0.15  # the spread of a small tensor's sample std (the router's)
+        assert p.std().item() == pytest.approx(scaled if residual else c.initializer_range, rel=rel), name
+    assert seen >= 2 * c.num_hidden_layers
