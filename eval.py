@@ -47,7 +47,7 @@ from deepseek_zero3.data import corpora, documents
 from deepseek_zero3.evaluation import harness_tasks
 from deepseek_zero3.model import models
 from deepseek_zero3.model.lmloss import make_windows, score_windows, validation_loss
-from deepseek_zero3.run_dir import metrics, run_model
+from deepseek_zero3.run_dir import card, metrics, run_model
 from deepseek_zero3.tokens import token_data
 
 
@@ -70,11 +70,13 @@ class Config:
     dtype: str = field("auto", "float32 | bfloat16 | float16 | auto (bf16 on GPUs that have it, else fp32)")
     device: str = field("", "cuda | cpu (default: CUDA when present); under accelerate launch, the process's device")
     output_json: str = field("", "write the report here as JSON")
+    update_card: bool = field(False, "add the scores to the model card (README.md) that train.py wrote into --model")
     raw_text: bool = field(False, "score WikiText pages as they are, not through lm-evaluation-harness's "
                                   "wikitext_detokenizer")
     packed_seq_len: int = field(0, "with a prepare_data.py directory: score its validation tokens as train.py "
                                    "validates them, in packed windows of this many tokens: its val_loss and val_bpb")
     eval_tokens: int = field(0, "with --packed_seq_len: validation tokens of each source (0: all; train.py's flag)")
+    data_mix: str = field("", "with --packed_seq_len: the run's --data_mix, so val_loss weighs the sources as it did")
     document_masking: bool = field(True, "with --packed_seq_len: each document of a window attends only to itself, "
                                          "as in train.py (--no_document_masking: the whole window)")
     # downstream tasks (lm-evaluation-harness)
@@ -394,11 +396,21 @@ def score_perplexity(cfg: Config, state, loaded: tuple, documents: tuple) -> dic
     return report
 
 
+def packed_data(cfg: Config) -> token_data.TrainingData:
+    try:
+        return token_data.training_data(cfg.dataset, cfg.packed_seq_len, cfg.eval_tokens, cfg.data_mix)
+    except UserError as e:  # worded for train.py, whose flag is --seq_len
+        raise UserError(str(e).replace("--seq_len", "--packed_seq_len")) from None
+
+
 def score_packed(cfg: Config, state, model, data: token_data.TrainingData) -> dict:
-    """train.py's validation of the prepared directory --dataset (the same windows, document masking and default
-    weights of its sources; data: token_data.training_data of it): the val_loss and val_bpb (and per source) that
-    train.py logs for these weights."""
+    """train.py's validation of the prepared directory --dataset (the same windows, document masking and weights of
+    its sources, --data_mix as the run's; data: packed_data): the val_loss and val_bpb (and per source) that train.py
+    logs for these weights."""
     eos = data.meta["eos_id"] if cfg.document_masking else None
+    if cfg.packed_seq_len > model.config.max_position_embeddings:
+        raise UserError(f"--packed_seq_len {cfg.packed_seq_len} exceeds the model's context of "
+                        f"{model.config.max_position_embeddings} tokens; use the run's --seq_len")  # fmt: skip
     t0 = time.perf_counter()
     losses = {
         s.name: validation_loss(model, state, s.val_tokens, cfg.packed_seq_len, cfg.batch_size, eos_id=eos)
@@ -409,7 +421,7 @@ def score_packed(cfg: Config, state, model, data: token_data.TrainingData) -> di
     report = metrics.validation_metrics(data.sources, data.weights, losses)
     windows = sum(token_data.num_windows(len(s.val_tokens), cfg.packed_seq_len) for s in data.sources)
     report.update(dataset=cfg.dataset, split="validation", packed_seq_len=cfg.packed_seq_len, windows=windows,
-                  eval_tokens=cfg.eval_tokens, document_masking=cfg.document_masking,
+                  eval_tokens=cfg.eval_tokens, document_masking=cfg.document_masking, data_mix=cfg.data_mix,
                   seconds=time.perf_counter() - t0)  # fmt: skip
     return report
 
@@ -454,7 +466,7 @@ def evaluate(cfg: Config) -> dict:
         check_model_files("--tokenizer", cfg.tokenizer)
     docs = load_documents(cfg) if cfg.dataset and not cfg.packed_seq_len else None
     # read (and refused) before the model is built
-    packed = token_data.training_data(cfg.dataset, cfg.packed_seq_len, cfg.eval_tokens) if cfg.packed_seq_len else None
+    packed = packed_data(cfg) if cfg.packed_seq_len else None
     tasks = harness_tasks.load_tasks(settings) if settings else None
     model, tokenizer, prefix = load_model(cfg, device, ckpt)
     report = {"model": cfg.model}
@@ -482,6 +494,11 @@ def check_flags(cfg: Config) -> None:
         raise UserError(f"--stride {cfg.stride} must be between 1 and --max_length {cfg.max_length}")
     if cfg.packed_seq_len and not (Path(cfg.dataset).expanduser() / "meta.json").is_file():
         raise UserError(f"--packed_seq_len scores a prepare_data.py directory; --dataset {cfg.dataset!r} is not one")
+    if not cfg.packed_seq_len and (cfg.eval_tokens or cfg.data_mix):
+        raise UserError("--eval_tokens and --data_mix go with --packed_seq_len (train.py's validation); drop them")
+    if 0 < cfg.eval_tokens < cfg.packed_seq_len:
+        raise UserError(f"--eval_tokens {cfg.eval_tokens} is less than one validation window of --packed_seq_len "
+                        f"{cfg.packed_seq_len} tokens; raise it, or 0 for the whole validation split")  # fmt: skip
     if cfg.packed_seq_len and cfg.split != "validation":
         raise UserError(f"--packed_seq_len scores the validation split, as train.py does; not --split {cfg.split}: "
                         "add --split validation")  # fmt: skip
@@ -545,6 +562,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if cfg.output_json:
             check_output_path(cfg.output_json)
+        if cfg.update_card and not (Path(cfg.model) / card.CARD).is_file():
+            raise UserError(f"--update_card: {cfg.model} holds no model card ({card.CARD}); train.py writes one into "
+                            "OUT/final: pass that directory as --model, or leave --update_card out")  # fmt: skip
         report = evaluate(cfg)
     except UserError as e:  # the same on every process: printed once (cli.print_error)
         cli.print_error(str(e))
@@ -561,6 +581,12 @@ def main(argv: list[str] | None = None) -> int:
             cli.print_error(f"--output_json {path}: {e.strerror or e}; the report above was not saved: free space")
             return 3
         print(f"wrote {path}")
+    if cfg.update_card:
+        try:
+            print(f"added the scores to {card.add_eval(Path(cfg.model), report)}")
+        except (OSError, ValueError) as e:  # a card edited into something the Hub's parser refuses, a full disk
+            cli.print_error(f"--update_card: {Path(cfg.model) / card.CARD}: {e}; the card is as it was")
+            return 3
     return 0
 
 

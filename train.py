@@ -36,7 +36,7 @@ from deepseek_zero3.model import models, moe
 from deepseek_zero3.model.lmloss import DEFAULT_CHUNK_TOKENS, document_positions, loss_path, model_nll, validation_loss
 from deepseek_zero3.planning import plan
 from deepseek_zero3.recipe.schedule import Schedule, branch_settings, check_schedule_flags, parse_fractions, replan
-from deepseek_zero3.run_dir import checkpoint, metrics, reshard, resilience
+from deepseek_zero3.run_dir import card, checkpoint, metrics, reshard, resilience
 from deepseek_zero3.tokens import token_data
 
 # DeepSpeed calls collectives that torch renamed; the warning repeats every step and says nothing to a user.
@@ -258,6 +258,8 @@ def check(cfg: Config, given: set[str], accelerator) -> Run:
     its checkpoint's (those the command gives must agree), and its weights and model config come from there too, so
     --init_from is not read again."""
     check_flags(cfg)
+    if "decay_start_step" in given:
+        raise UserError("--decay_start_step is set by --decay_branch (the checkpoint's step), not by hand: drop it")
     resilience.lock_run_dir(accelerator, Path(cfg.output_dir))  # before anything in OUT is read (a new OUT: in setup)
     checkpoint.check_output_dir(cfg.output_dir, cfg.resume)
     found = checkpoint.find_resume_checkpoint(cfg.resume, Path(cfg.output_dir) / "checkpoints", accelerator)
@@ -300,7 +302,8 @@ def check_resume(run: Run, given: set[str]) -> str | None:
             f"cannot resume {path}: it is at step {state['step']}, beyond this run's {run.total_steps} steps; raise "
             f"--max_steps (or --num_epochs)"
         )
-    branching = run.cfg.decay_branch and run.cfg.decay_start_step == state["step"]  # from the original run's checkpoint
+    # A branch's first launch resumes the original run's checkpoint (no decay_start_step in it); later ones its own.
+    branching = run.cfg.decay_branch and not state.get("config", {}).get("decay_start_step")
     if branching and state["world_size"] != run.launch.world_size:
         raise UserError(  # resharding would write a universal copy beside the original run's checkpoint
             f"--decay_branch resumes on the {state['world_size']} processes that wrote {path}, not "
@@ -540,8 +543,10 @@ def finish(run: Run, parts: Parts) -> None:
             print(f"removed from {out / 'checkpoints'}, no longer needed by the finished run: {', '.join(removed)}")
     if accelerator.is_main_process:
         metrics.plot_losses(out / "metrics.jsonl", out / "loss_curve.png")
+        card.write_card(final, run, metrics.read_metrics(out / "metrics.jsonl")[0])
         accelerator.print(
-            f"done: model in {final}, loss curve in {out / 'loss_curve.png'}, metrics in {out / 'metrics.jsonl'}"
+            f"done: model and its card (README.md) in {final}, loss curve in {out / 'loss_curve.png'}, metrics in "
+            f"{out / 'metrics.jsonl'}"
         )
     accelerator.end_training()
 

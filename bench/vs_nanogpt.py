@@ -218,7 +218,11 @@ def main(argv=None) -> None:
     print(table(rows, args, windows))
     best = {s: min(r["val_loss"] for r in rows if r["side"] == s) for s in {r["side"] for r in rows}}
     if set(best) == {"nanogpt", "train.py"} and not args.train_py_args:
-        record("vs_nanogpt", {"rows": rows, "best": best, "train_py_at_or_below": best["train.py"] <= best["nanogpt"]})
+        kept = [{k: v for k, v in r.items() if k != "seconds"} for r in rows]  # the table's wall times: not a figure
+        commit = subprocess.run(["git", "-C", args.nanogpt_repo, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip() or "unknown (not a git checkout)"  # fmt: skip
+        record("vs_nanogpt", {"rows": kept, "best": best, "train_py_at_or_below": best["train.py"] <= best["nanogpt"],
+                              "nanogpt_commit": commit})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ phase, a resume inside its decay, eval.py on its final model."""
 import hashlib
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -45,6 +46,23 @@ def test_decay_branch_decays_from_where_the_schedule_was():
     cosine = Schedule(1.0, 2, 100, 0.1, branch_at=50, branch_steps=2, decay_shape="1-sqrt")
     top = Schedule(1.0, 2, 100, 0.1).lr(49)
     assert cosine.lr(49) == top and cosine.lr(50) == pytest.approx(0.1 + (top - 0.1) * (1 - math.sqrt(0.5)))
+
+
+def test_branch_starts_where_the_lr_was_after_skipped_steps(tmp_path):
+    """The schedule runs on the steps taken (train.py: lr(step - skipped)): a branch from a checkpoint at step 4 with
+    one skipped step starts at schedule step 3, and still ends K steps after the checkpoint. A branch from the warmup,
+    or longer than the run's schedule, is refused."""
+    from deepseek_zero3.recipe.schedule import branch_settings
+    from deepseek_zero3.run_dir.checkpoint import Resume
+
+    ckpt = tmp_path / "run" / "checkpoints" / "step_4"
+    resume = Resume(ckpt, {"step": 4, "skipped_steps": 1, "total_steps": 10, "config": {}})
+    cfg = branch_settings(train.Config(decay_branch=3, warmup_steps=2, output_dir=str(tmp_path / "b")), set(), resume)
+    assert (cfg.decay_start_step, cfg.max_steps, cfg.lr_decay_steps) == (3, 7, 10)
+    for flags, named in (({"warmup_steps": 5}, "after the warmup (step 5 on)"), ({"decay_branch": 11}, "at most")):
+        with pytest.raises(train.UserError, match=re.escape(named)):
+            branch_settings(train.Config(**{"decay_branch": 3, "output_dir": str(tmp_path / "b"), **flags}), set(),
+                            resume)  # fmt: skip
 
 
 def test_scaling_laws_reproduce_the_papers_table_2():
@@ -96,8 +114,10 @@ def digest(directory: Path, skip=()) -> str:
     return h.hexdigest()
 
 
+# --data_mix: not the default weights, which eval.py must then be given too
 WSD = [*TINY, "--max_steps", "10", "--micro_batch_size", "4", "--lr_schedule", "wsd", "--decay_fraction", "0.4",
-       "--save_every", "4", "--keep_last", "3", "--eval_every", "4", "--eval_tokens", "4096"]  # fmt: skip
+       "--save_every", "4", "--keep_last", "3", "--eval_every", "4", "--eval_tokens", "4096",
+       "--data_mix", "python-docs=0.5,web.jsonl=0.5"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +137,7 @@ def test_decay_branch_finishes_a_model_and_leaves_the_run_alone(wsd_run, docs_da
                   wsd_run / "checkpoints" / "step_4", "--decay_branch", "3")  # fmt: skip
     assert digest(wsd_run) == before
     before = digest(wsd_run, skip={".lock"})  # which a command aimed at the run's directory takes
-    assert "decay branch: from step 4 (0.003) to 0.0003 at step 6, linear" in proc.stdout
+    assert "decay branch: from step 4 (0.003) to 0.0003 at step 7, linear" in proc.stdout
     records = train_records(branch)
     assert sorted(records) == [5, 6, 7] and records[7]["lr"] == pytest.approx(3e-4)
     assert records[5]["lr"] == pytest.approx(3e-4 + 2.7e-3 * 2 / 3)
@@ -127,6 +147,8 @@ def test_decay_branch_finishes_a_model_and_leaves_the_run_alone(wsd_run, docs_da
     state = json.loads((branch / "checkpoints" / "step_7" / "trainer_state.json").read_text())
     assert state["config"]["decay_start_step"] == 4 and state["config"]["lr_decay_steps"] == 10
     for out, extra, named in ((wsd_run, [], "give a new --output_dir"),
+                              (wsd_run / "inside", [], "give a new --output_dir outside"),
+                              (branch, [], "holds one (its checkpoints or final/)"),  # a finished run: not overwritten
                               (tmp_path / "other", ["--max_steps", "20"], "drop --max_steps 20")):  # fmt: skip
         refused = run([sys.executable, "train.py", *WSD, "--data_dir", docs_data, "--output_dir", out, "--resume",
                        wsd_run / "checkpoints" / "step_4", "--decay_branch", "3", *extra], check=False)  # fmt: skip
@@ -147,9 +169,11 @@ def test_wsd_run_logs_the_schedule_and_resumes_inside_its_decay(wsd_run, docs_da
         assert (again[step]["loss"], again[step]["lr"]) == (straight[step]["loss"], straight[step]["lr"]), step
 
 
-def test_val_bpb_equals_eval_py(wsd_run, docs_data, tmp_path):
+def test_val_bpb_equals_eval_py_and_the_card_holds_both(wsd_run, docs_data, tmp_path):
     """train.py's last val_bpb (and per source) against eval.py's packed scoring of OUT/final on the same windows,
-    and its definition: the loss in bits over the validation split's UTF-8 bytes per token from meta.json."""
+    and its definition: the loss in bits over the validation split's UTF-8 bytes per token from meta.json. The model
+    card of OUT/final (written by the resumed segment above, steps 9-10) as huggingface_hub reads it: the run's last
+    validation and eval.py's scores (--update_card) in its model-index, and the tokens of all 10 steps."""
     last = [r for r in metrics(wsd_run) if "val_bpb" in r][-1]
     meta = token_data.read_meta(docs_data)
     source = meta["sources"][0]
@@ -159,8 +183,32 @@ def test_val_bpb_equals_eval_py(wsd_run, docs_data, tmp_path):
     assert sum(s["bytes"]["validation"] for s in meta["sources"]) == meta["splits"]["validation"]["bytes"]
     report = tmp_path / "eval.json"
     run([sys.executable, "eval.py", "--model", wsd_run / "final", "--dataset", docs_data, "--split", "validation",
-         "--packed_seq_len", "32", "--eval_tokens", "4096", "--output_json", report])  # fmt: skip
+         "--packed_seq_len", "32", "--eval_tokens", "4096", "--data_mix", "python-docs=0.5,web.jsonl=0.5",
+         "--output_json", report, "--update_card"])  # fmt: skip
     scored = json.loads(report.read_text())
     for key in [k for k in last if k.startswith(("val_loss", "val_bpb"))]:
         assert scored[key] == pytest.approx(last[key], abs=1e-6), key
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(wsd_run / "final" / "README.md")
+    assert card.data.library_name == "transformers" and card.data.license == "unknown"
+    results = {r.metric_name: r.metric_value for r in card.data.eval_results}
+    assert results["validation loss (nats/token)"] == pytest.approx(last["val_loss"], rel=1e-6)
+    assert results["validation bits per byte"] == pytest.approx(last["val_bpb"], rel=1e-6)
+    assert results["val_bpb (eval.py)"] == pytest.approx(scored["val_bpb"], rel=1e-6)
+    assert re.search(r"1,280 tokens seen over 10 steps", card.text) and "resumed 1 time(s)" in card.text  # 10x4x32
     assert train.Config().lr_schedule == "cosine"  # the default stays
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--update_card"], "holds no model card (README.md)"),
+        (["--eval_tokens", "64"], "--eval_tokens and --data_mix go with --packed_seq_len"),
+        (["--split", "validation", "--packed_seq_len", "32", "--eval_tokens", "5"], "--eval_tokens 5 is less than one"),
+    ],
+)
+def test_eval_flags_refused_before_scoring(docs_data, tmp_path, flags, named):
+    proc = run([sys.executable, "eval.py", "--model", tmp_path, "--dataset", docs_data, *flags], check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and named in errors[0], proc.stderr

@@ -91,19 +91,20 @@ class Schedule:
         return self.floor + (self.peak_lr - self.floor) * decayed(progress, "cosine")
 
     def describe(self) -> str:
-        """One line for the console: the shape and its boundary steps."""
+        """One line for the console: the shape and its boundary steps, numbered as the log numbers them (the step
+        logged as k trains with lr(k - 1))."""
         warm = f"warmup {self.warmup_steps} steps to {self.peak_lr:.3g}"
         if self.kind == "multistep":
-            cuts = ", ".join(f"x{self.multistep_factor:g} from step {first_step_past(f, self.length)}"
+            cuts = ", ".join(f"x{self.multistep_factor:g} from step {first_step_past(f, self.length) + 1}"
                              for f in self.multistep_at)  # fmt: skip
             shape = f"multistep: {warm}, {cuts}"
         elif self.kind == "wsd":
             shape = (f"wsd: {warm}, constant, {self.decay_shape} decay to {self.floor:.3g} over steps "
-                     f"{self.decay_start}-{self.length - 1}")  # fmt: skip
+                     f"{self.decay_start + 1}-{self.length}")  # fmt: skip
         else:
-            shape = f"cosine: {warm}, cosine to {self.floor:.3g} at step {self.length - 1}"
+            shape = f"cosine: {warm}, cosine to {self.floor:.3g} at step {self.length}"
         if self.branch_at:
-            end = self.branch_at + self.branch_steps - 1
+            end = self.branch_at + self.branch_steps
             shape += (f"; decay branch: from step {self.branch_at} ({self.lr(self.branch_at - 1):.3g}) to "
                       f"{self.floor:.3g} at step {end}, {self.decay_shape}")  # fmt: skip
         return f"LR schedule {shape}"
@@ -146,23 +147,42 @@ def branch_settings(cfg, given: set[str], resume):
             "OUT/checkpoints/step_N and a new --output_dir"
         )
     if cfg.decay_start_step:  # this branch's own checkpoint
-        ran = resume.state.get("config", {}).get("decay_branch")
-        if ran != cfg.decay_branch:
-            raise UserError(f"cannot resume: this branch decays over --decay_branch {ran} steps; drop --decay_branch "
-                            f"{cfg.decay_branch} (or branch anew from the original run's checkpoint)")  # fmt: skip
+        ran = resume.state.get("config", {})
+        if ran.get("decay_branch") != cfg.decay_branch:
+            raise UserError(f"cannot resume: this branch decays over --decay_branch {ran.get('decay_branch')} steps; "
+                            f"drop --decay_branch {cfg.decay_branch} (or branch anew from the original run's "
+                            "checkpoint)")  # fmt: skip
+        if "max_steps" in given and cfg.max_steps != ran.get("max_steps"):
+            raise UserError(f"cannot resume: this branch ends at step {ran.get('max_steps')}; drop --max_steps "
+                            f"{cfg.max_steps} (a longer decay is a new branch from the original run)")  # fmt: skip
         return cfg
     ran = resume.state.get("config", {})
     changed = sorted(f for f in given & {"max_steps", "num_epochs", "lr_decay_steps"} if getattr(cfg, f) != ran.get(f))
     if changed:  # the run's own command repeated is fine
         raise UserError("--decay_branch K sets the run's length (the checkpoint's step + K): drop "
                         + " ".join(f"--{f} {getattr(cfg, f)}" for f in changed))  # fmt: skip
-    if Path(cfg.output_dir).resolve() == resume.path.resolve().parent.parent:
+    out, original = Path(cfg.output_dir).resolve(), resume.path.resolve().parent.parent
+    if out == original or original in out.parents:
         raise UserError(
-            f"--decay_branch writes a new run: give a new --output_dir (not {cfg.output_dir}, whose run keeps its "
-            "constant phase and can go on with --resume auto)"
+            f"--decay_branch writes a new run: give a new --output_dir outside {original} (not {cfg.output_dir}), "
+            "whose run keeps its constant phase and can go on with --resume auto"
         )
+    if (out / "final").exists() or any((out / "checkpoints").glob("step_*")):
+        raise UserError(
+            f"--decay_branch writes a new run, and {cfg.output_dir} holds one (its checkpoints or final/): give a new "
+            "--output_dir; a branch of yours stopped there continues with --resume auto --decay_branch "
+            f"{cfg.decay_branch}"
+        )
+    # The schedule runs on the steps taken (a skipped step does not move it): the branch starts where the LR was.
     step, length = resume.state["step"], cfg.lr_decay_steps or resume.state["total_steps"]
-    return dataclasses.replace(cfg, decay_start_step=step, max_steps=step + cfg.decay_branch, lr_decay_steps=length)
+    start = step - resume.state.get("skipped_steps", 0)
+    warmup = max(1, cfg.warmup_steps)  # a branch at 0 would be none (Schedule.branch_at)
+    if start < warmup or cfg.decay_branch > length:
+        raise UserError(
+            f"--decay_branch {cfg.decay_branch} from step {step}: branch from a checkpoint after the warmup (step "
+            f"{warmup} on), over at most the run's {length} scheduled steps"
+        )
+    return dataclasses.replace(cfg, decay_start_step=start, max_steps=step + cfg.decay_branch, lr_decay_steps=length)
 
 
 def replan(schedule: Schedule, state: dict, given: set[str]) -> str | None:

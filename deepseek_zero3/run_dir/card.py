@@ -1,0 +1,191 @@
+"""final/README.md: the model card a finished run writes beside its model, in the Hub's format (YAML front matter with
+a model-index of the validation results, read by huggingface_hub's ModelCard), from what the run measured: the
+records of OUT/metrics.jsonl (every segment of a resumed run: the tokens are the last record's, counted from step 1),
+the run's settings and its model config. eval.py --update_card adds its own report's scores to the same card.
+
+    write_card   the card of a finished run (train.py, after the export)
+    add_eval     eval.py's report into a card (eval.py --update_card)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+from pathlib import Path
+
+CARD = "README.md"
+EVAL_HEADING = "## Scores from eval.py"
+
+
+def last_by_step(records: list[dict]) -> list[dict]:
+    """The training log records of the run as it stands: a step logged again after a resume keeps its last record."""
+    return sorted({r["step"]: r for r in records if "loss" in r}.values(), key=lambda r: r["step"])
+
+
+def training_seconds(records: list[dict]) -> float:
+    """Seconds spent in training steps over every segment, from each log record's tokens and throughput (validation,
+    checkpoints and restarts not counted)."""
+    seconds, tokens = 0.0, 0
+    for r in last_by_step(records):
+        if r.get("tokens_per_s"):
+            seconds += (r["tokens"] - tokens) / r["tokens_per_s"]
+        tokens = r["tokens"]
+    return seconds
+
+
+def device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    info = Path("/proc/cpuinfo")
+    lines = info.read_text().splitlines() if info.is_file() else []
+    cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.processor())
+    return f"{cpu or 'CPU'} ({os.cpu_count()} cores)"
+
+
+def _results(records: list[dict], dataset: str) -> list:
+    from huggingface_hub import EvalResult
+
+    val = next((r for r in reversed(records) if "val_loss" in r), None)
+    if val is None:
+        return []
+    names = {"val_loss": ("loss", "validation loss (nats/token)"), "val_ppl": ("perplexity", "validation perplexity"),
+             "val_bpb": ("bits_per_byte", "validation bits per byte")}  # fmt: skip
+    results = []
+    for key, value in val.items():
+        base, _, source = key.partition("/")
+        if base in names and isinstance(value, float) and math.isfinite(value):
+            kind, label = names[base]
+            results.append(EvalResult(task_type="text-generation", task_name="Causal language modeling",
+                                      dataset_type=dataset, dataset_name=source or dataset, dataset_split="validation",
+                                      metric_type=kind, metric_name=f"{label}{f' ({source})' if source else ''}",
+                                      metric_value=round(value, 6)))  # fmt: skip
+    return results
+
+
+def write_card(final: Path, run, records: list[dict]) -> Path:
+    """final/README.md for `run` (train.py's Run), atomically. records: OUT/metrics.jsonl's."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    cfg, mc, launch, batch = run.cfg, run.model_config, run.launch, run.batch
+    metas = {s["name"]: s for s in run.data.meta.get("sources", [])}
+    hub = [metas[s.name]["spec"] for s in run.data.sources if metas.get(s.name, {}).get("kind") == "hub"]
+    last = next((r for r in reversed(records) if "loss" in r), {})
+    name = Path(cfg.output_dir).resolve().name
+    data = ModelCardData(library_name="transformers", license="unknown", datasets=hub or None, model_name=name,
+                         tags=["deepseek-zero3", "pretraining", mc.model_type],
+                         eval_results=_results(records, Path(cfg.data_dir).name) or None)  # fmt: skip
+    from deepseek_zero3.planning import model_math
+
+    counts = model_math.param_counts(mc)
+    moe = f", {counts['activated'] / 1e6:.2f}M activated per token" if model_math.is_moe(mc) else ""
+    rows = []
+    for source, weight in zip(run.data.sources, run.data.weights):
+        meta = metas.get(source.name, {})  # a local file by its name: the card is for sharing, its path is not
+        origin = meta.get("spec", source.name) if meta.get("kind") in ("hub", "builtin") else source.name
+        seen = last.get(f"tokens/{source.name}", last.get("tokens", 0) if len(run.data.sources) == 1 else 0)
+        rows.append(f"| {source.name} | {origin} ({meta.get('kind', 'local')}) | {float(weight):.3f} | {seen:,} |")
+    sources = "\n".join(rows)
+    val = next((r for r in reversed(records) if "val_loss" in r), {})
+    scores = "\n".join(f"| {k} | {v:.4f} |" for k, v in val.items() if k.startswith("val_") and isinstance(v, float))
+    seconds = training_seconds(records)
+    took = f"{seconds / 3600:.2f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
+    resumes = sum(1 for r in records if r.get("event") == "resume")
+    body = f"""
+# {name}
+
+A {mc.model_type} model ({counts['total'] / 1e6:.2f}M parameters, {counts['non_embedding'] / 1e6:.2f}M
+non-embedding{moe};
+{mc.num_hidden_layers} layers, width {mc.hidden_size}, {mc.num_attention_heads} heads, vocabulary {mc.vocab_size},
+context {cfg.seq_len}) pretrained from scratch{f" from {cfg.init_from}" if cfg.init_from else ""} with train.py of the
+deepseek-zero3 scripts. Everything below was measured by the run itself.
+
+## Training
+
+- Data: `{Path(cfg.data_dir).name}` (prepare_data.py), tokenizer `{run.data.meta.get('tokenizer', '?')}`;
+  {last.get('tokens', 0):,} tokens seen over {last.get('step', 0):,} steps ({last.get('epoch', 0):.3f} passes over the
+  training split).
+
+| source | from | weight | tokens seen |
+|---|---|---:|---:|
+{sources}
+
+- Batch: {batch.sequences_per_step} sequences of {cfg.seq_len} tokens a step ({batch.micro_batch_size} micro x
+  {batch.grad_accum_steps} accumulation x {batch.world_size} processes).
+- {run.schedule.describe()}; AdamW ({cfg.adam_beta1}, {cfg.adam_beta2}), weight decay {cfg.weight_decay}, gradient
+  clipping {cfg.max_grad_norm}, seed {cfg.seed}.
+- Precision {launch.precision}, {f"DeepSpeed ZeRO-{launch.zero_stage}" if launch.zero_stage else "no DeepSpeed"},
+  {launch.world_size} process(es) on {launch.nodes} machine(s), {device_name()}.
+- Time in training steps: {took} (from the logged throughput; validation and checkpoints not counted);
+  resumed {resumes} time(s) on the way.
+
+## Validation (step {val.get('step', '-')}, the run's own validation split)
+
+| metric | value |
+|---|---:|
+{scores}
+
+`val_loss` is nats per token; `val_bpb` bits per UTF-8 byte of text, comparable across tokenizers.
+
+## Use
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained("{name}")  # this directory, or the Hub repo it was pushed to
+tokenizer = AutoTokenizer.from_pretrained("{name}")
+```
+
+License: not set (`license: unknown` above); set the one your data and use allow before sharing.
+"""
+    return save(final, ModelCard(f"---\n{data.to_yaml()}\n---\n{body}"))
+
+
+def save(final: Path, card) -> Path:
+    path = final / CARD
+    tmp = path.with_name(f".{CARD}.tmp")
+    tmp.write_text(str(card), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def eval_scores(report: dict) -> list[tuple[str, str, str, float]]:
+    """(dataset or task, split, metric, value) of an eval.py report: its perplexity or packed scores, and each
+    harness task's metrics (their standard errors left out)."""
+    skip = {"seconds", "tokens_per_s", "nll"}  # nll: a sum over the tokens
+    name = str(report.get("dataset"))
+    if report.get("packed_seq_len"):  # scored as train.py validates: another number than the rolling perplexity
+        name += f" (packed {report['packed_seq_len']})"
+    scores = [(name, str(report.get("split", "")), k, v) for k, v in report.items()
+              if isinstance(v, float) and k not in skip and "dataset" in report]  # fmt: skip
+    for task, values in (report.get("tasks") or {}).items():
+        kept = {k: v for k, v in values.items() if isinstance(v, float) and "stderr" not in k}
+        scores += [(task, "", k.split(",")[0], v) for k, v in kept.items()]  # "acc,none": acc
+    return [s for s in scores if math.isfinite(s[3])]
+
+
+def add_eval(final: Path, report: dict) -> Path:
+    """eval.py's report (its --output_json) into final/README.md: its scores in the model-index (named "... (eval.py)")
+    and in a section of the card, both replaced, not repeated, when eval.py adds scores of the same data again."""
+    from huggingface_hub import EvalResult, ModelCard
+
+    card = ModelCard.load(final / CARD)
+    scores = eval_scores(report)
+    added = {(name, split) for name, split, _, _ in scores}
+    mine = " (eval.py)"  # how the card tells eval.py's results from the run's
+    kept = [r for r in card.data.eval_results or [] if not (r.metric_name or "").endswith(mine)
+            or (r.dataset_name, r.dataset_split or "") not in added]  # fmt: skip
+    card.data.eval_results = kept + [
+        EvalResult(task_type="text-generation", dataset_type=name, dataset_name=name, dataset_split=split or None,
+                   metric_type=metric, metric_name=metric + mine, metric_value=round(value, 6))
+        for name, split, metric, value in scores
+    ]  # fmt: skip
+    head, _, section = card.text.partition(f"\n{EVAL_HEADING}\n")
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| dataset")]
+    label = {(n, s): f"{n} [{s}]" if s else n for n, s, _, _ in scores}
+    rows = [r for r in rows if r.split(" | ")[0].removeprefix("| ") not in label.values()]  # the same, added again
+    rows += [f"| {label[n, s]} | {m} | {v:.4f} |" for n, s, m, v in scores]
+    table = "\n".join(["| dataset | metric | value |", "|---|---|---:|", *rows])
+    card.text = f"{head.rstrip()}\n\n{EVAL_HEADING}\n\n{table}\n"
+    return save(final, card)
