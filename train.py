@@ -111,6 +111,8 @@ class Config:
     eval_at_start: bool = field(True, "validation loss of the initial weights at step 0 (--no_eval_at_start skips "
                                       "it)")
     log_with: str = field("", "extra tracker for accelerate, e.g. tensorboard")
+    push_to_hub: str = field("", "at the end, upload final/ (model, tokenizer, card) to this Hub repo, e.g. "
+                                 "user/deepseek-1b (created private; needs `hf auth login` or HF_TOKEN)")
     loss_chunk_tokens: int = field(DEFAULT_CHUNK_TOKENS, "tokens per chunk of output layer + loss (0: all logits)")
     gradient_checkpointing: bool = field(False, "recompute activations in backward (less memory, ~30%% more compute)")
     attn_implementation: str = field("sdpa", "attention kernel: sdpa or eager")
@@ -260,6 +262,8 @@ def check(cfg: Config, given: set[str], accelerator) -> Run:
     check_flags(cfg)
     if "decay_start_step" in given:
         raise UserError("--decay_start_step is set by --decay_branch (the checkpoint's step), not by hand: drop it")
+    if cfg.push_to_hub:
+        card.check_push(cfg.push_to_hub)
     resilience.lock_run_dir(accelerator, Path(cfg.output_dir))  # before anything in OUT is read (a new OUT: in setup)
     checkpoint.check_output_dir(cfg.output_dir, cfg.resume)
     found = checkpoint.find_resume_checkpoint(cfg.resume, Path(cfg.output_dir) / "checkpoints", accelerator)
@@ -528,13 +532,14 @@ def train(cfg: Config, given: set[str]) -> int:
             return 0
     bar.close()
     watchdog.beat(step, "final export")
-    finish(run, parts)
+    code = finish(run, parts)
     watchdog.stop()
-    return 0
+    return code
 
 
-def finish(run: Run, parts: Parts) -> None:
-    """After the last step's checkpoint: OUT/final, the loss curve, and what the finished run no longer needs."""
+def finish(run: Run, parts: Parts) -> int:
+    """After the last step's checkpoint: OUT/final with its card, the loss curve, and what the finished run no longer
+    needs; --push_to_hub uploads final/. Returns the exit code (3: the upload failed, the model is on disk)."""
     accelerator, out = parts.accelerator, Path(run.cfg.output_dir)
     final = checkpoint.export_final(accelerator, parts.model, run.tokenizer, out)
     if parts.finaliser:
@@ -548,7 +553,11 @@ def finish(run: Run, parts: Parts) -> None:
             f"done: model and its card (README.md) in {final}, loss curve in {out / 'loss_curve.png'}, metrics in "
             f"{out / 'metrics.jsonl'}"
         )
+    pushed = ""
+    if accelerator.is_main_process and run.cfg.push_to_hub:
+        pushed = card.push_final(final, run.cfg.push_to_hub, run.total_steps)
     accelerator.end_training()
+    return 3 if pushed is None else 0
 
 
 def run_plan(cfg: Config) -> int:

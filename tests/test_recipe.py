@@ -212,3 +212,41 @@ def test_eval_flags_refused_before_scoring(docs_data, tmp_path, flags, named):
     proc = run([sys.executable, "eval.py", "--model", tmp_path, "--dataset", docs_data, *flags], check=False)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1 and named in errors[0], proc.stderr
+
+
+def test_push_to_hub_is_checked_before_the_run_and_uploads_final(tmp_path, monkeypatch):
+    """--push_to_hub: a bad repo id, offline mode and a missing token are refused before anything starts; the upload
+    itself (which the tests cannot reach) goes through a stand-in for huggingface_hub's HfApi that records its calls."""
+    from huggingface_hub import constants
+
+    from deepseek_zero3.run_dir import card
+
+    with pytest.raises(train.UserError, match="is not a Hub repo id"):
+        card.check_push("not a repo/with spaces")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(train.UserError, match="HF_HUB_OFFLINE is set"):
+        card.check_push("user/model")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_TOKEN", "")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(train.UserError, match="no Hugging Face token"):
+        card.check_push("user/model")
+    calls = []
+
+    class Api:
+        def create_repo(self, repo, **kw):
+            calls.append(("create", repo, kw))
+
+        def upload_folder(self, **kw):
+            calls.append(("upload", kw))
+            return type("Info", (), {"commit_url": "https://huggingface.co/user/model/commit/1"})()
+
+    assert card.push(tmp_path, "user/model", 10, api=Api()) == "https://huggingface.co/user/model/commit/1"
+    assert calls[0] == ("create", "user/model", {"repo_type": "model", "private": True, "exist_ok": True})
+    assert calls[1][1]["folder_path"] == tmp_path and calls[1][1]["repo_id"] == "user/model"
+
+    class Down(Api):
+        def upload_folder(self, **kw):
+            raise OSError("the network is down")
+
+    assert card.push_final(tmp_path, "user/model", 10, api=Down()) is None  # train.py then exits 3, final/ kept

@@ -189,3 +189,49 @@ def add_eval(final: Path, report: dict) -> Path:
     table = "\n".join(["| dataset | metric | value |", "|---|---|---:|", *rows])
     card.text = f"{head.rstrip()}\n\n{EVAL_HEADING}\n\n{table}\n"
     return save(final, card)
+
+
+def check_push(repo: str) -> None:
+    """--push_to_hub REPO, checked before the run starts (not after a week of training): a valid repo id, the Hub
+    not switched off, a token to write with."""
+    from huggingface_hub import constants, get_token
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    from deepseek_zero3.cli import UserError
+
+    try:
+        validate_repo_id(repo)
+    except HFValidationError:
+        raise UserError(f"--push_to_hub {repo!r} is not a Hub repo id; name it user/model or org/model") from None
+    if constants.HF_HUB_OFFLINE:
+        raise UserError(f"--push_to_hub {repo}: HF_HUB_OFFLINE is set; unset it, or leave --push_to_hub out and "
+                        "upload final/ later with `hf upload`")  # fmt: skip
+    if get_token() is None:
+        raise UserError(f"--push_to_hub {repo}: no Hugging Face token; run `hf auth login` or set HF_TOKEN")
+
+
+def push(final: Path, repo: str, step: int, api=None) -> str:
+    """Upload final/ (weights, config, tokenizer, card) to the Hub model repo `repo`, created private if it does not
+    exist. Returns the commit's URL. api: huggingface_hub's HfApi (replaceable, as the tests do without the Hub)."""
+    if api is None:
+        from huggingface_hub import HfApi
+
+        api = HfApi()
+    api.create_repo(repo, repo_type="model", private=True, exist_ok=True)
+    info = api.upload_folder(repo_id=repo, folder_path=final, repo_type="model",
+                             commit_message=f"train.py: the model after step {step}")  # fmt: skip
+    return str(getattr(info, "commit_url", info))
+
+
+def push_final(final: Path, repo: str, step: int, api=None) -> str | None:
+    """train.py --push_to_hub: push() of final/; a failure (network, permissions) leaves the model on disk, says how to
+    upload it by hand, and returns None (the run then exits 3)."""
+    from deepseek_zero3.cli import print_error
+
+    try:
+        url = push(final, repo, step, api)
+    except Exception as e:  # noqa: BLE001 - whatever the Hub client raises, the run's work is saved
+        print_error(f"--push_to_hub {repo}: {e}; the model is in {final}: upload it with `hf upload {repo} {final}`")
+        return None
+    print(f"pushed {final} to the Hub: {url}")
+    return url

@@ -32,7 +32,7 @@ RESUME_CHANGEABLE = {
     "data_dir", "data_mix", "log_every", "eval_every", "eval_at_start", "eval_tokens", "save_every", "keep_last",
     "accelerate_config", "assumed_mfu", "interconnect_gb_s", "pcie_gb_s", "nvme_gb_s", "gpu_memory_gib",
     "host_memory_gib", "compare", "gradient_accumulation_steps", "ignore_memory_plan", "log_with", "micro_batch_size",
-    "gradient_checkpointing", "attn_implementation", "loss_chunk_tokens", "decay_branch",
+    "gradient_checkpointing", "attn_implementation", "loss_chunk_tokens", "decay_branch", "push_to_hub",
 }  # fmt: skip
 # What the run's own messages advise after a divergence or a hang: a resume may change them, and metrics.jsonl records
 # the change at that step. (Weight decay, betas and epsilon are not among them: the checkpoint's optimizer state
