@@ -562,9 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if cfg.output_json:
             check_output_path(cfg.output_json)
-        if cfg.update_card and not (Path(cfg.model) / card.CARD).is_file():
-            raise UserError(f"--update_card: {cfg.model} holds no model card ({card.CARD}); train.py writes one into "
-                            "OUT/final: pass that directory as --model, or leave --update_card out")  # fmt: skip
+        if cfg.update_card:
+            card.check_card(Path(cfg.model))
         report = evaluate(cfg)
     except UserError as e:  # the same on every process: printed once (cli.print_error)
         cli.print_error(str(e))
@@ -584,8 +583,8 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.update_card:
         try:
             print(f"added the scores to {card.add_eval(Path(cfg.model), report)}")
-        except (OSError, ValueError) as e:  # a card edited into something the Hub's parser refuses, a full disk
-            cli.print_error(f"--update_card: {Path(cfg.model) / card.CARD}: {e}; the card is as it was")
+        except (OSError, ValueError) as e:  # a card changed during the evaluation, a full disk
+            cli.print_error(f"--update_card: {e}; the card is as it was (the scores are above)")
             return 3
     return 0
 

@@ -541,6 +541,8 @@ def finish(run: Run, parts: Parts) -> int:
     """After the last step's checkpoint: OUT/final with its card, the loss curve, and what the finished run no longer
     needs; --push_to_hub uploads final/. Returns the exit code (3: the upload failed, the model is on disk)."""
     accelerator, out = parts.accelerator, Path(run.cfg.output_dir)
+    again = run.resume is not None and run.resume.state["step"] >= run.total_steps  # a finished run launched again
+    kept = card.kept_card(out / "final") if again and accelerator.is_main_process else None
     final = checkpoint.export_final(accelerator, parts.model, run.tokenizer, out)
     if parts.finaliser:
         removed = checkpoint.remove_leftovers(out / "checkpoints", finished=True)
@@ -548,7 +550,8 @@ def finish(run: Run, parts: Parts) -> int:
             print(f"removed from {out / 'checkpoints'}, no longer needed by the finished run: {', '.join(removed)}")
     if accelerator.is_main_process:
         metrics.plot_losses(out / "metrics.jsonl", out / "loss_curve.png")
-        card.write_card(final, run, metrics.read_metrics(out / "metrics.jsonl")[0])
+        records = metrics.read_metrics(out / "metrics.jsonl")[0]
+        card.save(final, kept) if kept is not None else card.write_card(final, run, records)
         accelerator.print(
             f"done: model and its card (README.md) in {final}, loss curve in {out / 'loss_curve.png'}, metrics in "
             f"{out / 'metrics.jsonl'}"

@@ -197,6 +197,10 @@ def test_val_bpb_equals_eval_py_and_the_card_holds_both(wsd_run, docs_data, tmp_
     assert results["validation bits per byte"] == pytest.approx(last["val_bpb"], rel=1e-6)
     assert results["val_bpb (eval.py)"] == pytest.approx(scored["val_bpb"], rel=1e-6)
     assert re.search(r"1,280 tokens seen over 10 steps", card.text) and "resumed 1 time(s)" in card.text  # 10x4x32
+    # The finished run launched again (a requeued job) trains nothing and keeps the card eval.py added to.
+    text = (wsd_run / "final" / "README.md").read_text()
+    launch(1, *WSD, "--data_dir", docs_data, "--output_dir", wsd_run, "--resume", "auto")
+    assert (wsd_run / "final" / "README.md").read_text() == text
     assert train.Config().lr_schedule == "cosine"  # the default stays
 
 
@@ -250,3 +254,30 @@ def test_push_to_hub_is_checked_before_the_run_and_uploads_final(tmp_path, monke
             raise OSError("the network is down")
 
     assert card.push_final(tmp_path, "user/model", 10, api=Down()) is None  # train.py then exits 3, final/ kept
+
+
+def test_update_card_keeps_the_rest_of_the_card(tmp_path):
+    """eval.py's scores go into the card's table and model-index, replacing its own earlier scores of the same data and
+    settings only: a user's rows and sections after the table stay; a README without front matter gets a model-index
+    name; a card the Hub's parser refuses is refused before any evaluation."""
+    from deepseek_zero3.run_dir import card
+
+    (tmp_path / "README.md").write_text("# my model\n\nNotes.\n")
+    report = {"dataset": "wikitext-2", "split": "test", "word_perplexity": 100.0, "bits_per_byte": 1.5, "seconds": 3.0}
+    card.add_eval(tmp_path, report)
+    text = (tmp_path / "README.md").read_text()
+    (tmp_path / "README.md").write_text(text + "| mine | acc | 0.5000 |\n\n## Limitations\n\nSmall.\n")
+    card.add_eval(tmp_path, {**report, "word_perplexity": 90.0})
+    packed = {"dataset": str(tmp_path), "split": "validation", "packed_seq_len": 32, "val_loss": 5.0, "eval_tokens": 0}
+    card.add_eval(tmp_path, packed)
+    loaded = card.load_card(tmp_path)
+    text = loaded.text
+    assert "| wikitext-2 [test] | word_perplexity | 90.0000 |" in text and "100.0000" not in text
+    assert "| mine | acc | 0.5000 |" in text and "## Limitations\n\nSmall." in text and "Notes." in text
+    results = {(r.dataset_name, r.metric_name): r.metric_value for r in loaded.data.eval_results}
+    assert results[("wikitext-2", "word_perplexity (eval.py)")] == 90.0 and len(results) == 3
+    assert results[(f"{tmp_path.name} (packed 32, all tokens)", "val_loss (eval.py)")] == 5.0  # a name, not a path
+    assert loaded.data.model_name == tmp_path.name
+    (tmp_path / "README.md").write_text("---\nlicense: [unknown\n---\n# broken\n")
+    with pytest.raises(train.UserError, match="is not a model card huggingface_hub reads"):
+        card.check_card(tmp_path)

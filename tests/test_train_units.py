@@ -183,7 +183,7 @@ def test_resume_may_change_what_the_messages_advise():
     state = {"step": 100, "total_steps": 300, "config": SAVED}
     line = replan(train.schedule_for(merged, 300), state, set(given))
     before, after = train.Schedule(2e-3, 30, 300, 0.1).lr(100), train.Schedule(1e-3, 60, 300, 0.1).lr(100)
-    assert line == f"changed LR schedule: the LR at step 100 goes from {before:.3g} to {after:.3g}"
+    assert line == f"changed LR schedule: the LR of step 101 goes from {before:.3g} to {after:.3g}"
 
 
 def test_resume_keeps_the_schedule_unless_replanned():

@@ -190,13 +190,14 @@ def replan(schedule: Schedule, state: dict, given: set[str]) -> str | None:
     alone would stretch the decay under the run's feet: refused). A new length, --lr, --warmup_steps, --min_lr_ratio
     or a decay branch returns the line to print, with the LR at the resume step before and after."""
     ran, new, step = state.get("config", {}), schedule.length, state["step"]
+    taken = step - state.get("skipped_steps", 0)  # the schedule's step: a skipped step does not move it
     old = ran.get("lr_decay_steps") or state["total_steps"]
     keys = {"peak_lr": "lr", "warmup_steps": "warmup_steps", "min_lr_ratio": "min_lr_ratio",
             "branch_at": "decay_start_step", "branch_steps": "decay_branch"}  # Schedule: Config  # fmt: skip
     saved = dataclasses.replace(schedule, length=old, **{k: ran[f] for k, f in keys.items() if f in ran})
     if saved == schedule:
         return None
-    change = f"the LR at step {step} goes from {saved.lr(step):.3g} to {schedule.lr(step):.3g}"
+    change = f"the LR of step {step + 1} goes from {saved.lr(taken):.3g} to {schedule.lr(taken):.3g}"
     if new == old:
         return f"changed LR schedule: {change}"
     if "lr_decay_steps" not in given:

@@ -9,6 +9,7 @@ the run's settings and its model config. eval.py --update_card adds its own repo
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import platform
@@ -93,6 +94,11 @@ def write_card(final: Path, run, records: list[dict]) -> Path:
     seconds = training_seconds(records)
     took = f"{seconds / 3600:.2f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
     resumes = sum(1 for r in records if r.get("event") == "resume")
+    skipped = last.get("skipped_steps", 0)
+    branch = (f"\n- A decay branch: the run's schedule until step {cfg.decay_start_step}, then {cfg.decay_branch} "
+              "steps of decay (train.py --decay_branch; its first launch counts as a resume)."
+              if cfg.decay_start_step else "")  # fmt: skip
+    where = json.dumps(cfg.push_to_hub or "path/to/final")  # the Hub repo it is pushed to, else this directory
     body = f"""
 # {name}
 
@@ -119,7 +125,7 @@ deepseek-zero3 scripts. Everything below was measured by the run itself.
 - Precision {launch.precision}, {f"DeepSpeed ZeRO-{launch.zero_stage}" if launch.zero_stage else "no DeepSpeed"},
   {launch.world_size} process(es) on {launch.nodes} machine(s), {device_name()}.
 - Time in training steps: {took} (from the logged throughput; validation and checkpoints not counted);
-  resumed {resumes} time(s) on the way.
+  resumed {resumes} time(s) on the way; {skipped} step(s) skipped (a non-finite loss or gradient).{branch}
 
 ## Validation (step {val.get('step', '-')}, the run's own validation split)
 
@@ -133,8 +139,8 @@ deepseek-zero3 scripts. Everything below was measured by the run itself.
 
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
-model = AutoModelForCausalLM.from_pretrained("{name}")  # this directory, or the Hub repo it was pushed to
-tokenizer = AutoTokenizer.from_pretrained("{name}")
+model = AutoModelForCausalLM.from_pretrained({where})
+tokenizer = AutoTokenizer.from_pretrained({where})
 ```
 
 License: not set (`license: unknown` above); set the one your data and use allow before sharing.
@@ -142,21 +148,33 @@ License: not set (`license: unknown` above); set the one your data and use allow
     return save(final, ModelCard(f"---\n{data.to_yaml()}\n---\n{body}"))
 
 
+def kept_card(final: Path) -> str | None:
+    """The card of a finished run launched again, which trains nothing: kept as it is, with eval.py's scores and the
+    user's edits (train.py writes it back after the export)."""
+    path = final / CARD
+    return path.read_text(encoding="utf-8", errors="surrogateescape") if path.is_file() else None
+
+
 def save(final: Path, card) -> Path:
     path = final / CARD
     tmp = path.with_name(f".{CARD}.tmp")
-    tmp.write_text(str(card), encoding="utf-8")
+    tmp.write_text(str(card), encoding="utf-8", errors="surrogateescape")
     os.replace(tmp, path)
     return path
 
 
 def eval_scores(report: dict) -> list[tuple[str, str, str, float]]:
-    """(dataset or task, split, metric, value) of an eval.py report: its perplexity or packed scores, and each
-    harness task's metrics (their standard errors left out)."""
+    """(data, split, metric, value) of an eval.py report: its perplexity or packed scores, and each harness task's
+    metrics (their standard errors left out). The data is named by the dataset's name (a local directory by its own
+    name, not its path) and, for packed scoring, the settings that change the number."""
     skip = {"seconds", "tokens_per_s", "nll"}  # nll: a sum over the tokens
     name = str(report.get("dataset"))
+    name = Path(name).name if Path(name).expanduser().exists() else name
     if report.get("packed_seq_len"):  # scored as train.py validates: another number than the rolling perplexity
-        name += f" (packed {report['packed_seq_len']})"
+        settings = [f"packed {report['packed_seq_len']}", f"{report.get('eval_tokens') or 'all'} tokens"]
+        settings += [f"mix {report['data_mix']}"] if report.get("data_mix") else []
+        settings += [] if report.get("document_masking", True) else ["no document masking"]
+        name += f" ({', '.join(settings)})"
     scores = [(name, str(report.get("split", "")), k, v) for k, v in report.items()
               if isinstance(v, float) and k not in skip and "dataset" in report]  # fmt: skip
     for task, values in (report.get("tasks") or {}).items():
@@ -165,12 +183,38 @@ def eval_scores(report: dict) -> list[tuple[str, str, str, float]]:
     return [s for s in scores if math.isfinite(s[3])]
 
 
+def load_card(final: Path):
+    """final/README.md as huggingface_hub reads it; a file it cannot read as a card raises ValueError naming why."""
+    from huggingface_hub import ModelCard
+
+    try:
+        card = ModelCard.load(final / CARD)
+    except Exception as e:  # noqa: BLE001 - YAML errors, an invalid model-index: whatever the parser refuses
+        raise ValueError(f"{final / CARD} is not a model card huggingface_hub reads ({e})") from None
+    card.data.model_name = card.data.model_name or final.resolve().name  # a model-index needs its name
+    return card
+
+
+def check_card(model: Path) -> None:
+    """eval.py --update_card, before the evaluation: --model holds a model card that huggingface_hub reads."""
+    from deepseek_zero3.cli import UserError
+
+    if not (model / CARD).is_file():
+        raise UserError(f"--update_card: {model} holds no model card ({CARD}); train.py writes one into OUT/final: "
+                        "pass that directory as --model, or leave --update_card out")  # fmt: skip
+    try:
+        load_card(model)
+    except ValueError as e:
+        raise UserError(f"--update_card: {e}; fix the card's front matter, or leave --update_card out") from None
+
+
 def add_eval(final: Path, report: dict) -> Path:
     """eval.py's report (its --output_json) into final/README.md: its scores in the model-index (named "... (eval.py)")
-    and in a section of the card, both replaced, not repeated, when eval.py adds scores of the same data again."""
-    from huggingface_hub import EvalResult, ModelCard
+    and in the card's eval.py table, both replaced, not repeated, when eval.py adds scores of the same data again;
+    the rest of the card, text after the table included, is kept."""
+    from huggingface_hub import EvalResult
 
-    card = ModelCard.load(final / CARD)
+    card = load_card(final)
     scores = eval_scores(report)
     added = {(name, split) for name, split, _, _ in scores}
     mine = " (eval.py)"  # how the card tells eval.py's results from the run's
@@ -181,13 +225,14 @@ def add_eval(final: Path, report: dict) -> Path:
                    metric_type=metric, metric_name=metric + mine, metric_value=round(value, 6))
         for name, split, metric, value in scores
     ]  # fmt: skip
-    head, _, section = card.text.partition(f"\n{EVAL_HEADING}\n")
+    head, _, rest = card.text.partition(f"\n{EVAL_HEADING}\n")
+    section, _, after = rest.partition("\n## ")  # the table's section ends at the next heading
     rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| dataset")]
     label = {(n, s): f"{n} [{s}]" if s else n for n, s, _, _ in scores}
     rows = [r for r in rows if r.split(" | ")[0].removeprefix("| ") not in label.values()]  # the same, added again
     rows += [f"| {label[n, s]} | {m} | {v:.4f} |" for n, s, m, v in scores]
     table = "\n".join(["| dataset | metric | value |", "|---|---|---:|", *rows])
-    card.text = f"{head.rstrip()}\n\n{EVAL_HEADING}\n\n{table}\n"
+    card.text = f"{head.rstrip()}\n\n{EVAL_HEADING}\n\n{table}\n" + (f"\n## {after}" if after else "")
     return save(final, card)
 
 
