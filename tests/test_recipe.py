@@ -281,3 +281,14 @@ def test_update_card_keeps_the_rest_of_the_card(tmp_path):
     (tmp_path / "README.md").write_text("---\nlicense: [unknown\n---\n# broken\n")
     with pytest.raises(train.UserError, match="is not a model card huggingface_hub reads"):
         card.check_card(tmp_path)
+
+
+def test_card_times_the_steps_each_log_line_covers():
+    """Time in training steps: each log record's tokens since the one before over its tokens/s; a decay branch's log
+    starts at its checkpoint's step (its first record, the resume), not at step 0."""
+    from deepseek_zero3.run_dir.card import training_seconds
+
+    steps = [{"step": 5, "tokens": 500, "loss": 1.0, "tokens_per_s": 100.0},
+             {"step": 7, "tokens": 700, "loss": 1.0, "tokens_per_s": 50.0}]  # fmt: skip
+    assert training_seconds(steps) == 5 + 4
+    assert training_seconds([{"step": 4, "event": "resume"}, *steps]) == 1 + 4

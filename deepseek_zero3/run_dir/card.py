@@ -27,8 +27,11 @@ def last_by_step(records: list[dict]) -> list[dict]:
 def training_seconds(records: list[dict]) -> float:
     """Seconds spent in training steps over every segment, from each log record's tokens and throughput (validation,
     checkpoints and restarts not counted)."""
+    steps = last_by_step(records)
     seconds, tokens = 0.0, 0
-    for r in last_by_step(records):
+    if records and records[0].get("event") == "resume" and steps:  # a log that starts at a checkpoint: a decay branch
+        tokens = records[0]["step"] * steps[0]["tokens"] // steps[0]["step"]
+    for r in steps:
         if r.get("tokens_per_s"):
             seconds += (r["tokens"] - tokens) / r["tokens_per_s"]
         tokens = r["tokens"]
