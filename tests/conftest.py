@@ -22,6 +22,16 @@ needs_wikitext = pytest.mark.skipif(
     not (WIKITEXT2 / "wiki.test.raw").is_file(), reason=f"WikiText-2 copy not found at {WIKITEXT2} (set WIKITEXT2_DIR)"
 )
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
+# The files with the longest runs first: `make test`'s workers (pytest-xdist, --dist loadfile) take whole files in
+# collection order, so a long file handed out last would run alone while the other worker idles.
+LONG_FIRST = ["test_train.py", "test_run_dir.py", "test_moe.py", "test_eval.py", "test_resilience.py",
+              "test_reshard.py", "test_recipe.py", "test_precision.py", "test_harness.py", "test_eval_tasks.py",
+              "test_multinode.py"]  # fmt: skip
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order is kept
 CPU_CONFIG = "accelerate_configs/zero3_cpu.yaml"
 # A tiny run: 64-wide 2-layer model, 32-token sequences, global batch 6 on 3 processes.
 TINY = [
