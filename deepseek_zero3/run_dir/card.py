@@ -29,7 +29,7 @@ def training_seconds(records: list[dict]) -> float:
     checkpoints and restarts not counted)."""
     steps = last_by_step(records)
     seconds, tokens = 0.0, 0
-    if records and records[0].get("event") == "resume" and steps:  # a log that starts at a checkpoint: a decay branch
+    if records and records[0].get("event") == "resume" and steps:  # a log that starts at a checkpoint (a branch)
         tokens = records[0]["step"] * steps[0]["tokens"] // steps[0]["step"]
     for r in steps:
         if r.get("tokens_per_s"):
