@@ -20,12 +20,7 @@ from common import REPO, machine, record  # noqa: I001 - common puts the reposit
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data_dir", default="data/python-docs", help="written by prepare_data.py")
-    ap.add_argument("--model_config", default="mini")
-    ap.add_argument("--seq_len", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=16, help="sequences per optimizer step")
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--warmup", type=int, default=30)
+    runs.add_run_args(ap, steps=300, warmup=30)
     ap.add_argument("--lr", type=float, default=1e-3, help="the peak LR of every schedule")
     ap.add_argument("--schedules", default="cosine,multistep,wsd")
     ap.add_argument("--seed", type=int, default=0)

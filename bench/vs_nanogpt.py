@@ -48,15 +48,20 @@ from deepseek_zero3.model.lmloss import document_positions, nll_sum
 from deepseek_zero3.tokens import token_data
 
 
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--nanogpt_repo", required=True, help="a checkout of github.com/karpathy/nanoGPT")
+def add_run_args(ap, steps: int, warmup: int) -> None:
+    """The run shape train_py_command reads (also bench/schedules.py's): data, model, sequence, batch, steps, warmup."""
     ap.add_argument("--data_dir", default="data/python-docs", help="written by prepare_data.py (uint16 tokens)")
     ap.add_argument("--model_config", default="mini")
     ap.add_argument("--seq_len", type=int, default=128)
     ap.add_argument("--batch", type=int, default=16, help="sequences per optimizer step")
-    ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--warmup", type=int, default=15)
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--warmup", type=int, default=warmup)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nanogpt_repo", required=True, help="a checkout of github.com/karpathy/nanoGPT")
+    add_run_args(ap, steps=150, warmup=15)
     ap.add_argument("--lrs", default="1e-3,2e-3,4e-3", help="peak LRs each side is run at (its best is kept)")
     ap.add_argument("--seed", type=int, default=0, help="train.py's --seed (nanoGPT's is its own 1337)")
     ap.add_argument("--sides", default="nanogpt,train.py", help="which to run: nanogpt, train.py or both")

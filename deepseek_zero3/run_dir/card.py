@@ -49,12 +49,10 @@ def device_name() -> str:
     return f"{cpu or 'CPU'} ({os.cpu_count()} cores)"
 
 
-def _results(records: list[dict], dataset: str) -> list:
+def _results(val: dict, dataset: str) -> list:
+    """The model-index entries of the run's last validation record (val: {} when it has none)."""
     from huggingface_hub import EvalResult
 
-    val = next((r for r in reversed(records) if "val_loss" in r), None)
-    if val is None:
-        return []
     names = {"val_loss": ("loss", "validation loss (nats/token)"), "val_ppl": ("perplexity", "validation perplexity"),
              "val_bpb": ("bits_per_byte", "validation bits per byte")}  # fmt: skip
     results = []
@@ -77,10 +75,11 @@ def write_card(final: Path, run, records: list[dict]) -> Path:
     metas = {s["name"]: s for s in run.data.meta.get("sources", [])}
     hub = [metas[s.name]["spec"] for s in run.data.sources if metas.get(s.name, {}).get("kind") == "hub"]
     last = next((r for r in reversed(records) if "loss" in r), {})
+    val = next((r for r in reversed(records) if "val_loss" in r), {})
     name = Path(cfg.output_dir).resolve().name
     data = ModelCardData(library_name="transformers", license="unknown", datasets=hub or None, model_name=name,
                          tags=["deepseek-zero3", "pretraining", mc.model_type],
-                         eval_results=_results(records, Path(cfg.data_dir).name) or None)  # fmt: skip
+                         eval_results=_results(val, Path(cfg.data_dir).name) or None)  # fmt: skip
     from deepseek_zero3.planning import model_math
 
     counts = model_math.param_counts(mc)
@@ -92,7 +91,6 @@ def write_card(final: Path, run, records: list[dict]) -> Path:
         seen = last.get(f"tokens/{source.name}", last.get("tokens", 0) if len(run.data.sources) == 1 else 0)
         rows.append(f"| {source.name} | {origin} ({meta.get('kind', 'local')}) | {float(weight):.3f} | {seen:,} |")
     sources = "\n".join(rows)
-    val = next((r for r in reversed(records) if "val_loss" in r), {})
     scores = "\n".join(f"| {k} | {v:.4f} |" for k, v in val.items() if k.startswith("val_") and isinstance(v, float))
     seconds = training_seconds(records)
     took = f"{seconds / 3600:.2f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
