@@ -36,7 +36,7 @@ from deepseek_zero3.model import models, moe
 from deepseek_zero3.model.lmloss import DEFAULT_CHUNK_TOKENS, document_positions, loss_path, model_nll, validation_loss
 from deepseek_zero3.planning import plan
 from deepseek_zero3.recipe.schedule import Schedule, branch_settings, check_schedule_flags, parse_fractions, replan
-from deepseek_zero3.run_dir import card, checkpoint, metrics, reshard, resilience
+from deepseek_zero3.run_dir import card, checkpoint, metrics, reshard, resilience, trackers
 from deepseek_zero3.tokens import token_data
 
 # DeepSpeed calls collectives that torch renamed; the warning repeats every step and says nothing to a user.
@@ -110,7 +110,7 @@ class Config:
     ignore_memory_plan: bool = field(False, "start even when the plan says the run does not fit the GPUs or RAM")
     eval_at_start: bool = field(True, "validation loss of the initial weights at step 0 (--no_eval_at_start skips "
                                       "it)")
-    log_with: str = field("", "extra tracker for accelerate, e.g. tensorboard")
+    log_with: str = field("", "trackers, comma-separated: wandb, trackio, tensorboard, mlflow (one run across resumes)")
     push_to_hub: str = field("", "at the end, upload final/ (model, tokenizer, card) to this Hub repo, e.g. "
                                  "user/deepseek-1b (created private; needs `hf auth login` or HF_TOKEN)")
     loss_chunk_tokens: int = field(DEFAULT_CHUNK_TOKENS, "tokens per chunk of output layer + loss (0: all logits)")
@@ -249,10 +249,9 @@ def check_flags(cfg: Config) -> None:
     if cfg.attn_implementation not in ("sdpa", "eager"):
         raise UserError(f"--attn_implementation {cfg.attn_implementation!r} must be sdpa or eager")
     if 0 < cfg.eval_tokens < cfg.seq_len:
-        raise UserError(
-            f"--eval_tokens {cfg.eval_tokens} is less than one validation window of --seq_len "
-            f"{cfg.seq_len} tokens; raise it, or 0 for the whole validation split"
-        )
+        raise UserError(f"--eval_tokens {cfg.eval_tokens} is less than one validation window of --seq_len "
+                        f"{cfg.seq_len} tokens; raise it, or 0 for the whole validation split")  # fmt: skip
+    trackers.check(cfg.log_with)  # again for a resumed run's own (setup checks the command's before the process group)
 
 
 def check(cfg: Config, given: set[str], accelerator) -> Run:
@@ -334,6 +333,7 @@ class Parts:
     finaliser: bool  # this process finalises checkpoints on its filesystem
     watchdog: resilience.Watchdog
     skips: resilience.Skips | None = None
+    trackers: trackers.Trackers | None = None  # started by metrics.start_outputs; they log on the main process
 
     @property
     def engine(self):
@@ -377,8 +377,8 @@ def setup(cfg: Config, given: set[str]) -> tuple[Run, Parts]:
     """Check, resume, plan, build: nothing is written to OUT before the first three phases have passed on every
     process."""
     watchdog = resilience.Watchdog(cfg.output_dir, cfg.step_timeout_s)  # a hang while starting ends the attempt too
-    metrics.check_trackers(cfg.log_with)
-    accelerator = distributed.start_accelerator(cfg.log_with, cfg.output_dir)
+    trackers.check(cfg.log_with)
+    accelerator = distributed.start_accelerator(cfg.output_dir)
     run = check(cfg, given, accelerator)
     if run.cfg.step_timeout_s != cfg.step_timeout_s:  # a resumed run's own limit, or the one this resume changed
         watchdog.set_timeout(run.cfg.step_timeout_s)
@@ -415,7 +415,7 @@ def setup(cfg: Config, given: set[str]) -> tuple[Run, Parts]:
         reshard.after_load(model, universal, run.launch.zero_stage)
     resumed = run.resume.state if run.resume else None
     parts.skips = resilience.Skips(parts, resumed, cfg.max_skipped_steps, run.launch.precision)
-    checkpoint.start_outputs(run, accelerator, mem_before_model_gib)
+    parts.trackers = metrics.start_outputs(run, accelerator, mem_before_model_gib, n_params)
     return run, parts
 
 
@@ -434,8 +434,7 @@ def train(cfg: Config, given: set[str]) -> int:
         if accelerator.is_main_process:
             metrics.append(out / "metrics.jsonl", record)
             bar.write(console)
-        if cfg.log_with:
-            accelerator.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+            parts.trackers.log(record)
 
     def validate_at(step: int) -> None:
         eos = run.data.meta["eos_id"] if cfg.document_masking else None

@@ -139,8 +139,9 @@ def join_restarted_process_group() -> None:
     )
 
 
-def start_accelerator(log_with: str, project_dir: str):
-    """The Accelerator of this process, refusing a launch whose processes would not synchronise."""
+def start_accelerator(project_dir: str):
+    """The Accelerator of this process, refusing a launch whose processes would not synchronise. Its trackers are set
+    by run_dir.trackers.start, once a resumed run's own --log_with is known."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
@@ -150,8 +151,7 @@ def start_accelerator(log_with: str, project_dir: str):
     kwargs = [InitProcessGroupKwargs(backend="gloo")] if launched and not torch.cuda.is_available() else []
     join_restarted_process_group()
     with cli.without_noise():
-        trackers = [name.strip() for name in log_with.split(",") if name.strip()] or None  # check_trackers: known ones
-        accelerator = Accelerator(log_with=trackers, project_dir=project_dir, kwargs_handlers=kwargs)
+        accelerator = Accelerator(project_dir=project_dir, kwargs_handlers=kwargs)
     if accelerator.mixed_precision == "fp16" and accelerator.state.deepspeed_plugin is None and not accelerator.scaler:
         raise UserError(
             f"fp16 without DeepSpeed needs a GPU: on {accelerator.device.type} Accelerate would run it as fp32 with "

@@ -115,6 +115,28 @@ def train_records(out_dir) -> dict[int, dict]:
     return {r["step"]: r for r in metrics(out_dir) if "loss" in r}
 
 
+# --log_with wandb (offline) and trackio, kept local: W&B's files in OUT/wandb/, trackio's database in TRACKIO_DIR.
+def tracker_env(tmp_path) -> dict:
+    return {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "TRACKIO_DIR": str(tmp_path / "trackio")}
+
+
+def wandb_history(out_dir) -> tuple[set[str], list[tuple[int, float | None]], list[dict]]:
+    """What W&B's offline files under OUT/wandb/ hold, segment after segment (a resume or restart opens one): the run
+    ids, every logged row's (step, loss) in order, and each segment's logged settings."""
+    from deepseek_zero3.run_dir.trackers import wandb_offline_history
+
+    ids, rows, configs = wandb_offline_history(Path(out_dir) / "wandb")
+    return ids, [(step, row.get("loss")) for step, row in rows], configs
+
+
+def trackio_history(trackio_dir, project="deepseek-zero3") -> dict[str, list[tuple[int, float | None]]]:
+    """Each trackio run of the project in TRACKIO_DIR: its logged rows' (step, loss), in a fresh process."""
+    code = (f"import json; from trackio.sqlite_storage import SQLiteStorage as S; print(json.dumps({{r: [(l['step'], "
+            f"l.get('loss')) for l in S.get_logs({project!r}, r)] for r in S.get_runs({project!r})}}))")  # fmt: skip
+    proc = run([sys.executable, "-c", code], env={"TRACKIO_DIR": str(trackio_dir)})
+    return {name: [tuple(row) for row in rows] for name, rows in json.loads(proc.stdout.splitlines()[-1]).items()}
+
+
 def docs_prepare_args(out: Path) -> list:
     """prepare_data.py's arguments for docs_data: two sources of very different sizes, kept apart in the token files."""
     from common import synthetic_web_documents
@@ -126,30 +148,62 @@ def docs_prepare_args(out: Path) -> list:
             "--validation_fraction", "0.05", "--num_proc", "2"]  # fmt: skip
 
 
+def once_for_all_workers(tmp_path_factory, name: str, make):
+    """A session fixture's result made once for all of make test's workers (pytest-xdist gives each worker a session
+    of its own, so each would make it again): the first worker to ask makes it under a file lock in the directory the
+    workers share, the others wait and read it back. Only for what no test changes: each test copies what it alters.
+    make(directory) returns something picklable."""
+    import pickle
+
+    from filelock import FileLock
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return make(tmp_path_factory.mktemp(name))
+    root = tmp_path_factory.getbasetemp().parent
+    with FileLock(root / f"{name}.lock"):
+        done = root / f"{name}.pickle"
+        if done.is_file():
+            return pickle.loads(done.read_bytes())
+        (root / name).mkdir()
+        result = make(root / name)
+        done.write_bytes(pickle.dumps(result))
+        return result
+
+
 @pytest.fixture(scope="session")
 def docs_data(tmp_path_factory) -> Path:
     """The built-in python-docs corpus (~1.9 MB) and ~150 kB of synthetic web text (web.jsonl) with a 512-token BPE:
     small, offline, real. Every run on it draws from a mixture of two sources (in proportion to their sizes unless
     --data_mix says otherwise), with document masking on, as train.py does by default."""
-    out = tmp_path_factory.mktemp("data") / "python-docs"
-    run([sys.executable, "prepare_data.py", *docs_prepare_args(out)])
-    return out
+
+    def make(directory: Path) -> Path:
+        run([sys.executable, "prepare_data.py", *docs_prepare_args(directory / "python-docs")])
+        return directory / "python-docs"
+
+    return once_for_all_workers(tmp_path_factory, "data", make)
 
 
 @pytest.fixture(scope="session")
 def ref_run(docs_data, tmp_path_factory):
     """The reference run: 3 processes x micro-batch 2 = global batch 6, 10 steps, checkpoints at steps 4, 8 and 10
     (test_reshard.py resumes step 4 on other numbers of processes); returns (OUT, the launch's CompletedProcess)."""
-    out = tmp_path_factory.mktemp("ref") / "out"
-    args = [*TINY, "--max_steps", "10", "--micro_batch_size", "2", "--data_dir", docs_data, "--output_dir", out,
-            "--save_every", "4", "--keep_last", "3"]  # fmt: skip
-    return out, launch(3, *args)
+
+    def make(directory: Path):
+        args = [*TINY, "--max_steps", "10", "--micro_batch_size", "2", "--data_dir", docs_data, "--output_dir",
+                directory / "out", "--save_every", "4", "--keep_last", "3"]  # fmt: skip
+        return directory / "out", launch(3, *args)
+
+    return once_for_all_workers(tmp_path_factory, "ref", make)
 
 
 @pytest.fixture(scope="session")
 def trained(docs_data, tmp_path_factory) -> Path:
     """A tiny model trained for 60 steps on 3 ZeRO-3 processes (validation at steps 0, 30, 60); returns OUT."""
-    out = tmp_path_factory.mktemp("trained") / "out"
+    return once_for_all_workers(tmp_path_factory, "trained", lambda directory: train_for_60_steps(docs_data, directory))
+
+
+def train_for_60_steps(docs_data: Path, directory: Path) -> Path:
+    out = directory / "out"
     launch(
         3,
         *TINY,

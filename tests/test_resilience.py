@@ -8,7 +8,19 @@ import time
 
 import pytest
 import torch
-from conftest import REPO, TINY, assert_processes, launch, launch_cmd, metrics, run, train_records
+from conftest import (
+    REPO,
+    TINY,
+    assert_processes,
+    launch,
+    launch_cmd,
+    metrics,
+    run,
+    tracker_env,
+    trackio_history,
+    train_records,
+    wandb_history,
+)
 
 
 def tensors(obj, prefix=""):
@@ -87,10 +99,12 @@ def test_killed_then_hung_rank_restarts_by_itself(ref_run, docs_data, tmp_path):
     from the newest checkpoint, and the losses equal the straight run's. Seen to fail without
     distributed.join_restarted_process_group: the restarted workers die on the dead attempt's gloo addresses."""
     out = tmp_path / "heal"
-    args = [*TINY, "--max_steps", "10", "--micro_batch_size", "2", "--save_every", "2", "--resume", "auto"]
+    args = [*TINY, "--max_steps", "10", "--micro_batch_size", "2", "--save_every", "2", "--resume", "auto",
+            "--log_with", "wandb,trackio"]  # fmt: skip
     cmd = launch_cmd(3, *args, "--step_timeout_s", "6", "--data_dir", docs_data, "--output_dir", out,
                      launcher_args=["--max_restarts", "2", "--monitor_interval", "1"])  # fmt: skip
-    proc = run(cmd, env={"TRAIN_TEST_FAULT": "sigkill_rank:1:6@0,sigstop_rank:1:8@1"})
+    env = {"TRAIN_TEST_FAULT": "sigkill_rank:1:6@0,sigstop_rank:1:8@1", **tracker_env(tmp_path)}
+    proc = run(cmd, env=env)
     assert_processes(proc, 3)
     resumes = [r for r in metrics(out) if r.get("event") == "resume"]
     assert [(r["restart"], r["step"], r["lost_steps"]) for r in resumes] == [(1, 4, 1), (2, 6, 1)], resumes
@@ -103,6 +117,15 @@ def test_killed_then_hung_rank_restarts_by_itself(ref_run, docs_data, tmp_path):
     for step in range(1, 11):
         assert healed[step]["loss"] == pytest.approx(straight[step]["loss"], rel=1e-6), step
     assert (out / "final" / "model.safetensors").is_file()
+    # One tracker run for the three attempts, each step in it once with metrics.jsonl's loss. The attempts' trackers
+    # were killed with rows still queued (in a run seen here W&B stored none of attempt 1's); each attempt sends what
+    # its tracker lacks. Seen to fail with only the steps after the checkpoint sent: W&B then lacked step 6, which
+    # only attempt 1 trained.
+    logged = [(s, r["loss"]) for s, r in sorted(healed.items())]
+    ids, rows, _ = wandb_history(out)
+    assert len(ids) == 1 and [row for row in rows if row[1] is not None] == logged, (ids, rows)
+    (trackio_run,) = trackio_history(tmp_path / "trackio").values()
+    assert [row for row in trackio_run if row[1] is not None] == logged, trackio_run
 
 
 def test_hung_rank_without_restarts_ends_the_run(docs_data, tmp_path):

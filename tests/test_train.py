@@ -13,7 +13,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, launch, launch_cmd, metrics, reloaded_model, run, train_records
+from conftest import (
+    REPO,
+    TINY,
+    launch,
+    launch_cmd,
+    metrics,
+    reloaded_model,
+    run,
+    tracker_env,
+    trackio_history,
+    train_records,
+    wandb_history,
+)
 
 from deepseek_zero3.cli import UserError
 from deepseek_zero3.run_dir import checkpoint
@@ -90,23 +102,13 @@ def test_gradient_accumulation_equals_a_bigger_micro_batch(one_process, docs_dat
 
 
 def test_resume_is_exact(ref, docs_data, tmp_path):
-    """The second command gives only what changes: every other setting comes from the checkpoint."""
-    out = tmp_path / "resumed"
-    launch(
-        3,
-        *TINY,
-        "--micro_batch_size",
-        "2",
-        "--data_dir",
-        docs_data,
-        "--output_dir",
-        out,
-        "--lr_decay_steps",
-        "10",
-        "--max_steps",
-        "5",
-    )
-    proc = launch(3, "--output_dir", out, "--max_steps", "10", "--resume", "auto", "--log_every", "5")
+    """The second command gives only what changes: every other setting comes from the checkpoint, --log_with too.
+    Each tracker holds one run across the stop and the resume, its steps logged once with metrics.jsonl's losses, and
+    the run's settings logged once (seen to fail with the tracker's run id not kept: two W&B ids, two trackio runs)."""
+    out, env = tmp_path / "resumed", tracker_env(tmp_path)
+    launch(3, *TINY, "--micro_batch_size", "2", "--data_dir", docs_data, "--output_dir", out, "--lr_decay_steps", "10",
+           "--max_steps", "5", "--log_with", "wandb,trackio,tensorboard", env=env)  # fmt: skip
+    proc = launch(3, "--output_dir", out, "--max_steps", "10", "--resume", "auto", "--log_every", "5", env=env)
     assert "resumed from" in proc.stdout and "step_5" in proc.stdout
     taken = next(l for l in proc.stdout.splitlines() if l.startswith("settings from step_5:"))
     assert "--seq_len 32" in taken and "--lr 0.003" in taken and "--lr_decay_steps 10" in taken
@@ -118,6 +120,22 @@ def test_resume_is_exact(ref, docs_data, tmp_path):
     ref_losses = train_records(ref[0])
     assert records[5]["loss"] == pytest.approx(sum(ref_losses[s]["loss"] for s in range(6, 11)) / 5, rel=1e-6)
     assert_same_weights(ref[0], out)
+    logged = [(r["step"], r["loss"]) for r in records]
+    ids, rows, configs = wandb_history(out)
+    assert len(ids) == 1 and [row for row in rows if row[1] is not None] == logged, (ids, rows)
+    first = configs[0]
+    assert first["parameters"] > 0 and first["batch_plan/micro_batch_size"] == 2 and first["data_fingerprint"], first
+    assert configs[1:] == [{}], configs  # the resumed segment logs no settings again
+    (trackio_run,) = trackio_history(tmp_path / "trackio").values()
+    assert [row for row in trackio_run if row[1] is not None] == logged, trackio_run
+    # TensorBoard: one directory; the resumed segment hid the first's events (purge_step) and wrote them again.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(out / "deepseek-zero3"))
+    board.Reload()
+    scalars = [(e.step, e.value) for e in board.Scalars("loss")]
+    assert [s for s, _ in scalars] == [s for s, _ in logged], scalars
+    assert [v for _, v in scalars] == pytest.approx([v for _, v in logged], rel=1e-6)  # stored as float32
 
 
 def test_validation_loss_falls_and_final_model_loads(trained, docs_data):

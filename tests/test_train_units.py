@@ -15,7 +15,7 @@ from deepseek_zero3.cli import UserError
 from deepseek_zero3.model import models
 from deepseek_zero3.planning import costs, model_math
 from deepseek_zero3.recipe.schedule import replan
-from deepseek_zero3.run_dir import checkpoint, metrics
+from deepseek_zero3.run_dir import checkpoint, metrics, trackers
 from deepseek_zero3.tokens import token_data
 
 
@@ -255,18 +255,55 @@ def test_help_under_the_launcher_is_printed_once():
     assert proc.stdout.count("usage: train.py") == 1, proc.stdout[-3000:]
 
 
-def test_trackers_are_checked_before_the_run_starts():
-    """--log_with: an unknown name and a tracker whose package is missing are refused in one line, not Accelerate's
-    ValueError or a warning and a run without the tracker."""
+def test_trackers_are_checked_before_the_run_starts(monkeypatch):
+    """--log_with: an unknown name, a tracker whose run a resume cannot continue, a tracker whose package is missing
+    and a name given twice are refused in one line, not Accelerate's ValueError or a warning and a run without it."""
     import importlib.util
 
-    with pytest.raises(UserError, match="--log_with 'bogus': name one or more of .*tensorboard"):
-        metrics.check_trackers("tensorboard,bogus")
-    metrics.check_trackers("tensorboard")  # in requirements.txt
-    missing = next((n for n in ("wandb", "mlflow", "aim", "swanlab") if importlib.util.find_spec(n) is None), None)
-    if missing is not None:
-        with pytest.raises(UserError, match=f"the {missing} package is not installed; pip install {missing}"):
-            metrics.check_trackers(f"tensorboard, {missing}")
+    with pytest.raises(UserError, match="--log_with 'bogus': name one or more of wandb, trackio, tensorboard, mlflow"):
+        trackers.check("tensorboard,bogus")
+    with pytest.raises(UserError, match="--log_with 'aim': name one or more of"):
+        trackers.check("aim")  # Accelerate knows it; a resumed run would open a second aim run
+    with pytest.raises(UserError, match="names a tracker twice"):
+        trackers.check("tensorboard, tensorboard")
+    monkeypatch.setenv("WANDB_MODE", "offline")  # online needs a key: the next test
+    assert trackers.check("tensorboard, wandb,trackio") == ["tensorboard", "wandb", "trackio"]  # requirements.txt
+    if importlib.util.find_spec("mlflow") is None:
+        with pytest.raises(UserError, match="the mlflow package is not installed; pip install mlflow"):
+            trackers.check("tensorboard,mlflow")
+        # train.py itself: refused before the process group and before the data is looked at.
+        proc = run([sys.executable, "train.py", "--log_with", "mlflow", "--data_dir", "nowhere"], check=False)
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+            "error: --log_with mlflow: the mlflow package is not installed; pip install mlflow"
+        ), proc.stderr
+
+
+def test_wandb_online_without_a_key_is_refused_before_the_run(monkeypatch, tmp_path):
+    """W&B online with no API key would prompt after the model is built, which a run with no terminal cannot answer:
+    refused in one line at start. Offline needs no key; `wandb login`'s netrc entry is a key."""
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine example.org login user password secret\n")
+    monkeypatch.setenv("NETRC", str(netrc))
+    with pytest.raises(UserError, match="--log_with wandb: no W&B API key .*WANDB_MODE=offline"):
+        trackers.check("wandb")
+    netrc.write_text("machine api.wandb.ai login user password 0123456789\n")
+    assert trackers.check("wandb") == ["wandb"]
+    netrc.unlink()
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert trackers.check("wandb") == ["wandb"]
+
+
+@pytest.mark.parametrize("text", ['{"wandb": {"id": "ab', "[]", '{"wandb": "x"}', "\xff\xfe"])
+def test_a_damaged_trackers_file_starts_new_tracker_runs(text, tmp_path, capsys):
+    """OUT/trackers.json torn, foreign or odd: a warning and new tracker runs, not a traceback that ends the run."""
+    path = tmp_path / trackers.FILE
+    path.write_text(text, encoding="latin-1")
+    assert trackers._kept(path) == {}
+    assert f"warning: {path} is damaged" in capsys.readouterr().out
+    path.write_text('{"wandb": {"id": "ab12cd34"}}')
+    assert trackers._kept(path) == {"wandb": {"id": "ab12cd34"}}
 
 
 def test_init_from_a_run_directory_names_its_final_model(tmp_path):

@@ -24,7 +24,6 @@ import torch
 
 from deepseek_zero3.cli import UserError, fault, remove, replace_dir, write_atomic, write_json_atomic
 from deepseek_zero3.model import models
-from deepseek_zero3.run_dir.metrics import append, read_metrics, truncate_metrics
 
 # Settings that change what a run reports or where it reads and writes, not what it trains: free to change on resume.
 # data_mix as written: the weights it gives are in the run's identity.
@@ -538,45 +537,6 @@ def load_checkpoint(run, parts, universal: Path | None = None) -> None:
     parts.accelerator.print(
         f"resumed from {path} at step {run.resume.state['step']} ({run.resume.state['tokens_seen']:,} tokens seen)"
     )
-
-
-def start_outputs(run, accelerator, mem_before_model_gib: float) -> None:
-    """metrics.jsonl (a resumed run's, cut back to its checkpoint), config.json and the tracker."""
-    cfg, out = run.cfg, Path(run.cfg.output_dir)
-    if accelerator.is_main_process:
-        step = run.resume.state["step"] if run.resume is not None else 0
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # the launcher's --max_restarts count
-        old = read_metrics(out / "metrics.jsonl")[0] if (out / "metrics.jsonl").exists() else None
-        if run.resume is not None and old is not None:
-            torn = truncate_metrics(out / "metrics.jsonl", step)
-            if torn:
-                print(f"warning: dropped {torn} torn line(s) of {out / 'metrics.jsonl'} (a write cut short)")
-        else:
-            write_atomic(out / "metrics.jsonl", "")
-        if run.resume is not None or (restart and old is not None):  # a restart before any checkpoint starts over
-            # What the resume cost: the steps the stopped run took after its checkpoint (as far as it logged them).
-            lost = max([0, *(r["step"] - step for r in old or [])])
-            append(out / "metrics.jsonl", {"step": step, "event": "resume", "restart": restart, "lost_steps": lost})
-            where = f"{run.resume.path.name} (step {step})" if run.resume is not None else "the start (no checkpoint)"
-            print(f"{f'restart {restart} by the launcher: ' if restart else ''}resumed from {where}; {lost} step(s) "
-                  f"logged after it were lost")  # fmt: skip
-        for name, (before, after) in (run.resume.changed if run.resume is not None else {}).items():
-            append(
-                out / "metrics.jsonl", {"step": step, "event": "change", "setting": name, "from": before, "to": after}
-            )
-        settings = {"written_by": "train.py", **dataclasses.asdict(cfg), "batch_plan": dataclasses.asdict(run.batch)}
-        write_json_atomic(
-            out / "config.json",
-            {
-                **settings,
-                "total_steps": run.total_steps,
-                "precision": run.launch.precision,
-                "peak_mem_before_model_gib": mem_before_model_gib,
-            },
-        )
-    if cfg.log_with:
-        config = {k: v for k, v in dataclasses.asdict(cfg).items() if isinstance(v, (int, float, str, bool))}
-        accelerator.init_trackers("train", config=config)
 
 
 def export_final(accelerator, model, tokenizer, out_dir: Path) -> Path:

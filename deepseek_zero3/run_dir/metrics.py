@@ -4,7 +4,7 @@
     metrics_record   the record of a log step: loss, lr, grad norm, tokens/s, MFU, peak memory, fp16 scale, MoE balance
     console_line     its one line on the console
     append / read_metrics / truncate_metrics / plot_losses   metrics.jsonl written, read, cut back, drawn
-    check_trackers   --log_with's trackers known and installed, before the run starts
+    start_outputs    metrics.jsonl (cut back on resume), config.json and the trackers, as a run starts
     peak_memory_gib  this process's peak memory: the GPU's allocator, or the resident set on a CPU
 """
 
@@ -13,15 +13,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import resource
 import time
 from pathlib import Path
 
 import torch
 
-from deepseek_zero3.cli import UserError, write_atomic
+from deepseek_zero3.cli import write_atomic, write_json_atomic
 from deepseek_zero3.planning import model_math
 from deepseek_zero3.planning.model_math import GIB
+from deepseek_zero3.run_dir import trackers
 from deepseek_zero3.tokens import mixture
 
 
@@ -216,18 +218,36 @@ def truncate_metrics(metrics_path: Path, step: int) -> int:
     return bad
 
 
-def check_trackers(log_with: str) -> None:
-    """--log_with names trackers Accelerate knows (comma-separated) whose packages are installed: refused before the
-    run starts, not Accelerate's ValueError, or a warning and a run with no tracker at all."""
-    from accelerate.utils import LoggerType, imports
-
-    names = [n.strip() for n in log_with.split(",") if n.strip()]
-    if log_with and not names:
-        raise UserError(f"--log_with {log_with!r} names no tracker; e.g. --log_with tensorboard, or leave it out")
-    for name in names:
-        if name not in LoggerType.list() or name == "all":
-            known = ", ".join(n for n in LoggerType.list() if n != "all")
-            raise UserError(f"--log_with {name!r}: name one or more of {known} (comma-separated)")
-        if not getattr(imports, f"is_{name}_available")():
-            package = {"comet_ml": "comet-ml"}.get(name, name)
-            raise UserError(f"--log_with {name}: the {name} package is not installed; pip install {package}")
+def start_outputs(run, accelerator, mem_before_model_gib: float, n_params: int) -> trackers.Trackers:
+    """metrics.jsonl (a resumed run's, cut back to its checkpoint), config.json and the trackers (started)."""
+    cfg, out = run.cfg, Path(run.cfg.output_dir)
+    step = run.resume.state["step"] if run.resume is not None else 0
+    settings = {"written_by": "train.py", **dataclasses.asdict(cfg), "batch_plan": dataclasses.asdict(run.batch)}
+    settings.update(total_steps=run.total_steps, precision=run.launch.precision)
+    resumed, history = None, []
+    if accelerator.is_main_process:
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # the launcher's --max_restarts count
+        old = read_metrics(out / "metrics.jsonl")[0] if (out / "metrics.jsonl").exists() else None
+        if run.resume is not None and old is not None:
+            torn = truncate_metrics(out / "metrics.jsonl", step)
+            history = [r for r in old if r["step"] <= step]
+            if torn:
+                print(f"warning: dropped {torn} torn line(s) of {out / 'metrics.jsonl'} (a write cut short)")
+        else:
+            write_atomic(out / "metrics.jsonl", "")
+        if run.resume is not None or (restart and old is not None):  # a restart before any checkpoint starts over
+            # What the resume cost: the steps the stopped run took after its checkpoint (as far as it logged them).
+            lost = max([0, *(r["step"] - step for r in old or [])])
+            append(out / "metrics.jsonl", {"step": step, "event": "resume", "restart": restart, "lost_steps": lost})
+            resumed = {"resumed_at_step": step, "lost_steps": lost, "launcher_restart": restart}
+            where = f"{run.resume.path.name} (step {step})" if run.resume is not None else "the start (no checkpoint)"
+            print(f"{f'restart {restart} by the launcher: ' if restart else ''}resumed from {where}; {lost} step(s) "
+                  f"logged after it were lost")  # fmt: skip
+        for name, (before, after) in (run.resume.changed if run.resume is not None else {}).items():
+            append(
+                out / "metrics.jsonl", {"step": step, "event": "change", "setting": name, "from": before, "to": after}
+            )
+        write_json_atomic(out / "config.json", {**settings, "peak_mem_before_model_gib": mem_before_model_gib})
+    settings.update(parameters=n_params, data_fingerprint=run.data.fingerprint, processes=accelerator.num_processes)
+    names = [n.strip() for n in cfg.log_with.split(",") if n.strip()]
+    return trackers.start(accelerator, names, out, history, resumed, settings)
