@@ -295,6 +295,35 @@ def test_wandb_online_without_a_key_is_refused_before_the_run(monkeypatch, tmp_p
     assert trackers.check("wandb") == ["wandb"]
 
 
+def test_a_failing_tracker_does_not_end_the_run(capsys):
+    """A tracker that raises (its disk full, its server gone) is dropped with one warning; the others go on, each
+    sent a step once, MLflow's names without the "/" its file store cannot hold beside the bare name."""
+    sent = {"wandb": [], "mlflow": []}
+
+    class Tracker:
+        def __init__(self, name):
+            self.name = name
+
+        def log(self, values, step):
+            if self.name == "wandb" and step == 2:
+                raise OSError(28, "No space left on device")
+            sent[self.name].append((step, values))
+
+    class Accelerator:
+        def get_tracker(self, name, unwrap=False):
+            return Tracker(name)
+
+    log = trackers.Trackers(Accelerator(), {"wandb": -1, "mlflow": 0}, {"mlflow": {"resumed_at_step": 0}})
+    for step in (0, 1, 2, 3):
+        log.log({"step": step, "loss": 1.0 / (step + 1), "val_loss/web": 2.0, "note": "text"})
+    log.log({"step": 3, "event": "stop", "signal": "SIGTERM"})
+    assert [s for s, _ in sent["wandb"]] == [0, 1] and [s for s, _ in sent["mlflow"]] == [1, 2, 3]
+    assert sent["mlflow"][0][1] == {"resumed_at_step": 0, "loss": 0.5, "val_loss.web": 2.0}
+    assert "val_loss/web" in sent["wandb"][0][1] and "note" not in sent["wandb"][0][1]
+    out = capsys.readouterr().out
+    assert out.count("warning: --log_with wandb failed at step 2 (OSError") == 1 and "metrics.jsonl has every" in out
+
+
 @pytest.mark.parametrize("text", ['{"wandb": {"id": "ab', "[]", '{"wandb": "x"}', "\xff\xfe"])
 def test_a_damaged_trackers_file_starts_new_tracker_runs(text, tmp_path, capsys):
     """OUT/trackers.json torn, foreign or odd: a warning and new tracker runs, not a traceback that ends the run."""

@@ -90,11 +90,20 @@ class Trackers:
         if "event" in record:  # a resume, a changed setting, a stop: sent with the next step, or not at all
             return
         values = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
-        for name, floor in self.floors.items():
-            if record["step"] > floor:
-                tracker = self.accelerator.get_tracker(name, unwrap=False)
-                tracker.log({**self.pending.get(name, {}), **values}, step=record["step"])
-                self.pending.pop(name, None)
+        for name, floor in list(self.floors.items()):
+            if record["step"] <= floor:
+                continue
+            sent = {**self.pending.pop(name, {}), **values}
+            if name == "mlflow":  # its file store cannot hold both "val_loss" and "val_loss/python-docs"
+                sent = {k.replace("/", "."): v for k, v in sent.items()}
+            try:
+                self.accelerator.get_tracker(name, unwrap=False).log(sent, step=record["step"])
+            except Exception as e:  # noqa: BLE001 - a tracker's failure (its disk, its server) must not end the run
+                del self.floors[name]
+                print(
+                    f"warning: --log_with {name} failed at step {record['step']} ({type(e).__name__}: {e}); the run "
+                    f"goes on without it, metrics.jsonl has every step, and a resume sends {name} what it lacks"
+                )
 
 
 def start(accelerator, names: list[str], out: Path, history: list[dict], resumed: dict | None, settings: dict):
