@@ -251,7 +251,8 @@ def check_flags(cfg: Config) -> None:
     if 0 < cfg.eval_tokens < cfg.seq_len:
         raise UserError(f"--eval_tokens {cfg.eval_tokens} is less than one validation window of --seq_len "
                         f"{cfg.seq_len} tokens; raise it, or 0 for the whole validation split")  # fmt: skip
-    trackers.check(cfg.log_with)  # again for a resumed run's own (setup checks the command's before the process group)
+    if not cfg.plan:  # again for a resumed run's own (setup checks the command's before the process group)
+        trackers.check(cfg.log_with)
 
 
 def check(cfg: Config, given: set[str], accelerator) -> Run:
@@ -527,7 +528,7 @@ def train(cfg: Config, given: set[str]) -> int:
                 f"continues from {ckpt_root / f'step_{step}'}"
             )
             watchdog.stop()
-            accelerator.end_training()
+            parts.trackers.end_training()
             return 0
     bar.close()
     watchdog.beat(step, "final export")
@@ -558,7 +559,7 @@ def finish(run: Run, parts: Parts) -> int:
     pushed = ""
     if accelerator.is_main_process and run.cfg.push_to_hub:
         pushed = card.push_final(final, run.cfg.push_to_hub, run.total_steps)
-    accelerator.end_training()
+    parts.trackers.end_training()
     return 3 if pushed is None else 0
 
 

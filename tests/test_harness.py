@@ -85,6 +85,9 @@ def test_eval_equals_lm_evaluation_harness(which, trained, tied_gpt2, tmp_path):
                   batch_size=8, max_documents=n_pages)  # fmt: skip
     )
     assert ours["documents"] == (n_pages or 62) and ours["text_transform"] == ev.HARNESS_TRANSFORM
+    if not n_pages:  # the harness's pages: the file less its leading blank line and every page's final newline but
+        # the last one's
+        assert ours["bytes"] == len((WIKITEXT2 / "wiki.test.raw").read_bytes()) - 2 - 61
     print(
         f"\n{which}: harness {harness}\n{which}: eval.py word {ours['word_perplexity']} byte {ours['byte_perplexity']} "
         f"bpb {ours['bits_per_byte']}"

@@ -2,6 +2,7 @@
 resume settings."""
 
 import dataclasses
+import json
 import math
 import sys
 
@@ -281,8 +282,10 @@ def test_trackers_are_checked_before_the_run_starts(monkeypatch):
 def test_wandb_online_without_a_key_is_refused_before_the_run(monkeypatch, tmp_path):
     """W&B online with no API key would prompt after the model is built, which a run with no terminal cannot answer:
     refused in one line at start. Offline needs no key; `wandb login`'s netrc entry is a key."""
-    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL", "WANDB_DISABLED"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     netrc = tmp_path / "netrc"
     netrc.write_text("machine example.org login user password secret\n")
     monkeypatch.setenv("NETRC", str(netrc))
@@ -291,14 +294,23 @@ def test_wandb_online_without_a_key_is_refused_before_the_run(monkeypatch, tmp_p
     netrc.write_text("machine api.wandb.ai login user password 0123456789\n")
     assert trackers.check("wandb") == ["wandb"]
     netrc.unlink()
-    monkeypatch.setenv("WANDB_MODE", "offline")
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "settings").write_text("[default]\nmode = offline\n")  # what `wandb offline` writes
+    assert trackers.check("wandb") == ["wandb"]
+    (tmp_path / "config" / "settings").write_text("[default\n\xff")  # unreadable: no offline there
+    with pytest.raises(UserError, match="no W&B API key"):
+        trackers.check("wandb")
+    monkeypatch.setenv("WANDB_MODE", "OFFLINE")
     assert trackers.check("wandb") == ["wandb"]
 
 
 def test_a_failing_tracker_does_not_end_the_run(capsys):
-    """A tracker that raises (its disk full, its server gone) is dropped with one warning; the others go on, each
-    sent a step once, MLflow's names without the "/" its file store cannot hold beside the bare name."""
-    sent = {"wandb": [], "mlflow": []}
+    """A tracker that raises (its disk full, its server gone) is dropped with one warning, also from what
+    end_training finishes; the others go on, each sent a record once (training and validation records each by their
+    own last step held), MLflow's names without the "/" its file store cannot hold beside the bare name, a skipped
+    step's NaN loss not at all, a resume's fields with the next record. A fake accelerator (a real tracker that fails
+    on cue is not at hand)."""
+    sent, finished = {"wandb": [], "mlflow": []}, []
 
     class Tracker:
         def __init__(self, name):
@@ -309,30 +321,62 @@ def test_a_failing_tracker_does_not_end_the_run(capsys):
                 raise OSError(28, "No space left on device")
             sent[self.name].append((step, values))
 
-    class Accelerator:
-        def get_tracker(self, name, unwrap=False):
-            return Tracker(name)
+        def finish(self):
+            finished.append(self.name)
 
-    log = trackers.Trackers(Accelerator(), {"wandb": -1, "mlflow": 0}, {"mlflow": {"resumed_at_step": 0}})
+    class Accelerator:
+        trackers = [Tracker("wandb"), Tracker("mlflow")]
+
+        def get_tracker(self, name, unwrap=False):
+            return next(t for t in self.trackers if t.name == name)
+
+        def end_training(self):
+            finished.append("process group")
+
+    log = trackers.Trackers(Accelerator(), {"wandb": {"train": -1, "validation": -1},
+                                            "mlflow": {"train": 0, "validation": 1}})  # fmt: skip
+    log.log({"step": 1, "event": "resume", "restart": 1, "lost_steps": 2})
     for step in (0, 1, 2, 3):
-        log.log({"step": step, "loss": 1.0 / (step + 1), "val_loss/web": 2.0, "note": "text"})
+        log.log({"step": step, "loss": float("nan") if step == 3 else 1.0 / (step + 1), "note": "text"})
+        log.log({"step": step, "val_loss": 2.0, "val_loss/web": 2.5})
     log.log({"step": 3, "event": "stop", "signal": "SIGTERM"})
-    assert [s for s, _ in sent["wandb"]] == [0, 1] and [s for s, _ in sent["mlflow"]] == [1, 2, 3]
-    assert sent["mlflow"][0][1] == {"resumed_at_step": 0, "loss": 0.5, "val_loss.web": 2.0}
-    assert "val_loss/web" in sent["wandb"][0][1] and "note" not in sent["wandb"][0][1]
+    assert [s for s, _ in sent["wandb"]] == [0, 0, 1, 1] and [s for s, _ in sent["mlflow"]] == [1, 2, 2, 3, 3]
+    assert sent["mlflow"][0][1] == {"resumed_at_step": 1, "lost_steps": 2, "launcher_restart": 1, "loss": 0.5}
+    assert sent["mlflow"][2][1] == {"val_loss": 2.0, "val_loss.web": 2.5} and sent["mlflow"][3][1] == {}
+    assert sent["wandb"][0][1] == {"resumed_at_step": 1, "lost_steps": 2, "launcher_restart": 1, "loss": 1.0}
+    assert sent["wandb"][1][1] == {"val_loss": 2.0, "val_loss/web": 2.5}
+    log.end_training()
+    assert finished == ["mlflow", "process group"]
     out = capsys.readouterr().out
     assert out.count("warning: --log_with wandb failed at step 2 (OSError") == 1 and "metrics.jsonl has every" in out
 
 
-@pytest.mark.parametrize("text", ['{"wandb": {"id": "ab', "[]", '{"wandb": "x"}', "\xff\xfe"])
+@pytest.mark.parametrize(
+    "text",
+    ['{"output_dir": "OUT", "runs": {"wandb": {"id": "ab', "[]", '{"output_dir": "OUT", "runs": []}', "\xff\xfe",
+     '{"runs": {}}'],
+)  # fmt: skip
 def test_a_damaged_trackers_file_starts_new_tracker_runs(text, tmp_path, capsys):
     """OUT/trackers.json torn, foreign or odd: a warning and new tracker runs, not a traceback that ends the run."""
     path = tmp_path / trackers.FILE
-    path.write_text(text, encoding="latin-1")
-    assert trackers._kept(path) == {}
+    path.write_text(text.replace("OUT", str(tmp_path)), encoding="latin-1")
+    assert trackers._kept(tmp_path) == {}
     assert f"warning: {path} is damaged" in capsys.readouterr().out
-    path.write_text('{"wandb": {"id": "ab12cd34"}}')
-    assert trackers._kept(path) == {"wandb": {"id": "ab12cd34"}}
+
+
+def test_trackers_file_entries_are_checked_one_by_one(tmp_path, capsys):
+    """A bad entry costs that tracker's continuity only; a copied run directory starts new runs of every tracker."""
+    good = {"wandb": {"id": "ab12cd34"}, "trackio": {"name": "out-ab12cd34"}, "tensorboard": {}, "mlflow": {}}
+    bad = {"wandb": {"id": "x/y"}, "trackio": {"name": None}, "mlflow": {"run_id": 5}, "comet_ml": {}}
+    for runs, kept in ((good, good), ({**good, **bad}, {"tensorboard": {}})):
+        (tmp_path / trackers.FILE).write_text(json.dumps({"output_dir": str(tmp_path), "runs": runs}))
+        assert trackers._kept(tmp_path) == kept
+    out = capsys.readouterr().out
+    assert [line.split(": its ")[1].split(" ")[0] for line in out.splitlines()] == ["'comet_ml'", "'mlflow'",
+                                                                                   "'trackio'", "'wandb'"]  # fmt: skip
+    (tmp_path / trackers.FILE).write_text(json.dumps({"output_dir": "/elsewhere/run", "runs": good}))
+    assert trackers._kept(tmp_path) == {}
+    assert "names the tracker runs of /elsewhere/run; this run directory is a copy" in capsys.readouterr().out
 
 
 def test_init_from_a_run_directory_names_its_final_model(tmp_path):

@@ -224,7 +224,7 @@ def start_outputs(run, accelerator, mem_before_model_gib: float, n_params: int) 
     step = run.resume.state["step"] if run.resume is not None else 0
     settings = {"written_by": "train.py", **dataclasses.asdict(cfg), "batch_plan": dataclasses.asdict(run.batch)}
     settings.update(total_steps=run.total_steps, precision=run.launch.precision)
-    resumed, history = None, []
+    history = []  # metrics.jsonl as the trackers are to hold it, up to this segment's start
     if accelerator.is_main_process:
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # the launcher's --max_restarts count
         old = read_metrics(out / "metrics.jsonl")[0] if (out / "metrics.jsonl").exists() else None
@@ -238,8 +238,9 @@ def start_outputs(run, accelerator, mem_before_model_gib: float, n_params: int) 
         if run.resume is not None or (restart and old is not None):  # a restart before any checkpoint starts over
             # What the resume cost: the steps the stopped run took after its checkpoint (as far as it logged them).
             lost = max([0, *(r["step"] - step for r in old or [])])
-            append(out / "metrics.jsonl", {"step": step, "event": "resume", "restart": restart, "lost_steps": lost})
-            resumed = {"resumed_at_step": step, "lost_steps": lost, "launcher_restart": restart}
+            event = {"step": step, "event": "resume", "restart": restart, "lost_steps": lost}
+            append(out / "metrics.jsonl", event)
+            history.append(event)
             where = f"{run.resume.path.name} (step {step})" if run.resume is not None else "the start (no checkpoint)"
             print(f"{f'restart {restart} by the launcher: ' if restart else ''}resumed from {where}; {lost} step(s) "
                   f"logged after it were lost")  # fmt: skip
@@ -250,4 +251,4 @@ def start_outputs(run, accelerator, mem_before_model_gib: float, n_params: int) 
         write_json_atomic(out / "config.json", {**settings, "peak_mem_before_model_gib": mem_before_model_gib})
     settings.update(parameters=n_params, data_fingerprint=run.data.fingerprint, processes=accelerator.num_processes)
     names = [n.strip() for n in cfg.log_with.split(",") if n.strip()]
-    return trackers.start(accelerator, names, out, history, resumed, settings)
+    return trackers.start(accelerator, names, out, history, step, settings)

@@ -2,24 +2,28 @@
 
 A training run is one tracker run across stops, `--resume auto`, `--max_restarts` restarts and a changed number of
 processes. The first segment keeps each tracker's identity in OUT/trackers.json (W&B's run id, trackio's run name,
-MLflow's run id) and every later one reuses it; TensorBoard writes to one directory, OUT/deepseek-zero3/. The run's
-settings (the full Config, the batch plan, the parameter count, the data's fingerprint) are logged once, by the segment
-that created the tracker run.
+MLflow's run id and store) before the tracker starts, and every later one reuses it; TensorBoard writes to one
+directory, OUT/deepseek-zero3/. A copy of the directory (trackers.json naming another directory) starts new runs.
 
-Each step reaches each tracker once and the step axis never goes back. A killed segment's tracker may not have
-stored its last steps (W&B and trackio write from a queue, TensorBoard from a buffer), so a later segment asks the
-tracker what it holds and sends the rest: first metrics.jsonl's records up to the checkpoint, then the steps it
-trains. What each tracker is asked: trackio its database, MLflow its run's loss history, W&B offline its files under
-OUT/wandb/ (one directory per segment, the same run id: `wandb sync OUT/wandb/offline-run-*` uploads them in order as
-one run), W&B online the resumed run's step; TensorBoard cannot say, so a later segment hides every earlier event
-(purge_step 0) and writes the whole history again. The first step sent after a resume carries its fields
-("resumed_at_step", "lost_steps", "launcher_restart").
+Each tracker is asked what it already holds: the last step of training and of validation records, and whether it has
+the run's settings (the full Config, the batch plan, the parameter count, the data's fingerprint), which are logged
+once. A killed segment's tracker may not have stored its last records (W&B and trackio write from a queue), so a later
+segment sends metrics.jsonl's records up to the checkpoint that the tracker lacks, then the steps it trains. Asked:
+trackio its database, MLflow its run, W&B offline its files under OUT/wandb/ (one directory per segment with the same
+run id: `wandb sync OUT/wandb/offline-run-*` uploads them in order as one run), W&B online the resumed run. TensorBoard
+cannot say (its event files buffer writes): a later segment hides every earlier event (purge_step 0) and writes the
+whole history again. A step the tracker holds past the checkpoint stays as the stopped segment logged it (a step axis
+does not go back); a note names such steps. A resume's fields ("resumed_at_step", "lost_steps", "launcher_restart")
+go with the first record sent after it. A tracker that fails is dropped with one warning; the run goes on.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
+import re
 import uuid
 from pathlib import Path
 
@@ -49,7 +53,7 @@ def check(log_with: str) -> list[str]:
             raise UserError(f"--log_with {name}: the {name} package is not installed; pip install {PACKAGES[name]}")
     if len(set(names)) < len(names):
         raise UserError(f"--log_with {log_with!r} names a tracker twice")
-    if "wandb" in names and not _wandb_can_log():
+    if "wandb" in names and not (_wandb_offline() or _wandb_key()):
         raise UserError(
             "--log_with wandb: no W&B API key on this machine (wandb login, or WANDB_API_KEY); or WANDB_MODE=offline "
             "to log into OUT/wandb/ and `wandb sync` it later"
@@ -57,15 +61,31 @@ def check(log_with: str) -> list[str]:
     return names
 
 
-def _wandb_can_log() -> bool:
-    """Offline or disabled W&B needs no key; online, a key in WANDB_API_KEY or `wandb login`'s netrc entry (checked
-    here, not by W&B's own prompt after the model is built, which a run with no terminal cannot answer)."""
+def _wandb_offline() -> bool:
+    """W&B set to log offline (or not at all): by WANDB_MODE, or the settings file `wandb offline` writes."""
+    import configparser
+
+    mode = os.environ.get("WANDB_MODE", "").lower()
+    if os.environ.get("WANDB_DISABLED", "").lower() in ("true", "1"):
+        return True
+    if not mode:
+        config_dir = Path(os.environ.get("WANDB_CONFIG_DIR", Path.home() / ".config" / "wandb"))
+        for path in (Path(os.environ.get("WANDB_DIR", ".")) / "wandb" / "settings", config_dir / "settings"):
+            parser = configparser.ConfigParser()
+            try:
+                parser.read(path)
+            except (configparser.Error, OSError, UnicodeDecodeError):
+                continue
+            mode = mode or parser.get("default", "mode", fallback="").lower()
+    return mode in ("offline", "disabled", "dryrun")
+
+
+def _wandb_key() -> bool:
+    """A W&B key: WANDB_API_KEY, an identity token, or `wandb login`'s netrc entry (checked here, not by W&B's own
+    prompt after the model is built, which a run with no terminal cannot answer)."""
     import netrc
-    import os
     from urllib.parse import urlparse
 
-    if os.environ.get("WANDB_MODE", "online") in ("offline", "disabled", "dryrun"):
-        return True
     if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
         return True
     host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
@@ -77,21 +97,27 @@ def _wandb_can_log() -> bool:
 
 @dataclasses.dataclass
 class Trackers:
-    """The started trackers (main process; elsewhere none) and, per tracker, the last step it already holds."""
+    """The started trackers (main process; elsewhere none): per tracker, the last step of each kind of record it
+    holds ("train", "validation"), and the resume fields it is yet to be sent."""
 
     accelerator: object
-    floors: dict[str, int]
-    pending: dict  # the resume's fields, sent with the first step after it
+    floors: dict[str, dict[str, int]]
+    pending: dict[str, dict] = dataclasses.field(default_factory=dict)
 
     def log(self, record: dict) -> None:
-        """A metrics.jsonl record, its numbers only, to each tracker that lacks its step."""
-        if not self.floors:
+        """A metrics.jsonl record to each tracker that lacks it: its finite numbers (a skipped step's loss is not
+        sent, live or from the file); a resume event goes with the next record."""
+        if not self.floors or record.get("event") not in (None, "resume"):
             return
-        if "event" in record:  # a resume, a changed setting, a stop: sent with the next step, or not at all
+        if record.get("event") == "resume":
+            fields = {"resumed_at_step": record["step"], "lost_steps": record.get("lost_steps", 0),
+                      "launcher_restart": record.get("restart", 0)}  # fmt: skip
+            self.pending = {name: fields for name in self.floors}
             return
-        values = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
-        for name, floor in list(self.floors.items()):
-            if record["step"] <= floor:
+        kind = "validation" if "val_loss" in record else "train"
+        values = {k: v for k, v in record.items() if k != "step" and _finite(v)}
+        for name, floors in list(self.floors.items()):
+            if record["step"] <= floors[kind]:
                 continue
             sent = {**self.pending.pop(name, {}), **values}
             if name == "mlflow":  # its file store cannot hold both "val_loss" and "val_loss/python-docs"
@@ -99,56 +125,109 @@ class Trackers:
             try:
                 self.accelerator.get_tracker(name, unwrap=False).log(sent, step=record["step"])
             except Exception as e:  # noqa: BLE001 - a tracker's failure (its disk, its server) must not end the run
-                del self.floors[name]
-                print(
-                    f"warning: --log_with {name} failed at step {record['step']} ({type(e).__name__}: {e}); the run "
-                    f"goes on without it, metrics.jsonl has every step, and a resume sends {name} what it lacks"
-                )
+                self._drop(name, f"failed at step {record['step']} ({type(e).__name__}: {e})")
+
+    def _drop(self, name: str, why: str) -> None:
+        self.floors.pop(name, None)
+        self.accelerator.trackers = [t for t in self.accelerator.trackers if t.name != name]
+        print(f"warning: --log_with {name} {why}; the run goes on without it, metrics.jsonl has every step, and a "
+              f"resume sends {name} what it lacks")  # fmt: skip
+
+    def end_training(self) -> None:
+        """Each tracker finished (a failing one warned about, not turning a finished run into a failed one), then
+        Accelerate's end of training (the process group)."""
+        for tracker in list(self.accelerator.trackers):
+            try:
+                tracker.finish()
+            except Exception as e:  # noqa: BLE001 - as in log
+                self._drop(tracker.name, f"failed to finish ({type(e).__name__}: {e})")
+        self.accelerator.trackers = []
+        self.accelerator.end_training()
 
 
-def start(accelerator, names: list[str], out: Path, history: list[dict], resumed: dict | None, settings: dict):
-    """Start the trackers as the run's tracker runs: new ones for a run that has none yet, with `settings` logged,
-    or the ones OUT/trackers.json names, sent what metrics.jsonl holds (`history`, up to the checkpoint) and they lack.
-    resumed: the resume's fields (sent with the first step after it), None for a first segment. Returns Trackers."""
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def start(accelerator, names: list[str], out: Path, history: list[dict], resume_step: int, settings: dict):
+    """Start the trackers as the run's tracker runs (new ones, or those OUT/trackers.json names), log `settings` to
+    those that lack them, and send them what of `history` (metrics.jsonl up to the checkpoint, this segment's resume
+    event last) they lack. Returns Trackers."""
     if not names:
-        return Trackers(accelerator, {}, {})
+        return Trackers(accelerator, {})
     from accelerate.tracking import filter_trackers
 
-    kept = _kept(out / FILE) if accelerator.is_main_process else {}
+    main = accelerator.is_main_process
+    kept = _kept(out) if main else {}
     ids = {name: kept.get(name) or _new_identity(name, out) for name in names}
-    init_kwargs = {n: _init_kwargs(n, ids[n], out, n in kept) for n in names if accelerator.is_main_process}
+    if main:  # before the trackers start: a kill while they do leaves no run the next segment would not continue
+        write_json_atomic(out / FILE, {"output_dir": str(out.resolve()), "runs": {**kept, **ids}})
+    if main and "mlflow" in names and ids["mlflow"].get("tracking_uri") and not os.environ.get("MLFLOW_TRACKING_URI"):
+        import mlflow
+
+        mlflow.set_tracking_uri(ids["mlflow"]["tracking_uri"])  # where the run was, whatever the working directory
+    init_kwargs = {n: _init_kwargs(n, ids[n], out) for n in names} if main else {}
     accelerator.log_with = filter_trackers(names, accelerator.logging_dir)  # a resumed run's: its checkpoint's
     accelerator.init_trackers(PROJECT, config=None, init_kwargs=init_kwargs)
-    if not accelerator.is_main_process:
-        return Trackers(accelerator, {}, {})
-    for name in names:
-        if name not in kept:
-            accelerator.get_tracker(name, unwrap=False).store_init_configuration(_flat(settings))
+    if not main:
+        return Trackers(accelerator, {})
     if "mlflow" in names:
-        ids["mlflow"] = {"run_id": accelerator.get_tracker("mlflow", unwrap=True).info.run_id}
-    write_json_atomic(out / FILE, {**kept, **ids})
-    trackers = Trackers(accelerator, {n: _held(accelerator, n, ids[n]) if n in kept else -1 for n in names}, {})
-    for record in history:  # what a killed segment logged but its tracker never stored (buffered, queued)
+        import mlflow
+
+        ids["mlflow"] = {"run_id": accelerator.get_tracker("mlflow", unwrap=True).info.run_id,
+                         "tracking_uri": mlflow.get_tracking_uri()}  # fmt: skip
+        write_json_atomic(out / FILE, {"output_dir": str(out.resolve()), "runs": {**kept, **ids}})
+    trackers = Trackers(accelerator, {})
+    for name in names:
+        held = _held(accelerator, name, ids[name], out)
+        if not held.pop("settings"):
+            accelerator.get_tracker(name, unwrap=False).store_init_configuration(_flat(settings))
+        trackers.floors[name] = held
+        if held["train"] > resume_step:
+            print(
+                f"note: --log_with {name} holds steps {resume_step + 1}-{held['train']} as the stopped segment logged "
+                f"them; this one trains them again (metrics.jsonl has its values) and sends the steps after"
+            )
+    for record in history:
         trackers.log(record)
-    trackers.pending = {name: dict(resumed) for name in names} if resumed else {}
     return trackers
 
 
-def _kept(path: Path) -> dict:
-    """OUT/trackers.json as the first segment wrote it; a damaged one costs the tracker runs' continuity only."""
+def _kept(out: Path) -> dict:
+    """The tracker runs OUT/trackers.json names, those it names well; none for a copy of the run directory."""
+    path = out / FILE
     if not path.is_file():
         return {}
     try:
         kept = json.loads(path.read_text())
-        if isinstance(kept, dict) and all(isinstance(v, dict) for v in kept.values()):
-            return kept
-    except (OSError, ValueError):
-        pass
-    print(f"warning: {path} is damaged (not the JSON train.py writes); the trackers start new runs for this run")
-    return {}
+        runs = kept["runs"]
+        where = kept["output_dir"]
+        if not isinstance(runs, dict) or not isinstance(where, str):
+            raise ValueError
+    except (OSError, ValueError, KeyError, TypeError):
+        print(f"warning: {path} is damaged (not the JSON train.py writes); the trackers start new runs for this run")
+        return {}
+    if where != str(out.resolve()):
+        print(f"note: {path} names the tracker runs of {where}; this run directory is a copy of it (or it moved): the "
+              f"trackers start new runs here")  # fmt: skip
+        return {}
+    good = {name: identity for name, identity in runs.items() if name in KNOWN and _well_formed(name, identity)}
+    for name in sorted(set(runs) - set(good)):
+        print(f"warning: {path}: its {name!r} entry is damaged; {name} starts a new run for this run")
+    return good
 
 
-def _init_kwargs(name: str, identity: dict, out: Path, continued: bool) -> dict:
+def _well_formed(name: str, identity) -> bool:
+    field, pattern = {"wandb": ("id", r"[a-z0-9]{1,64}"), "trackio": ("name", r"[^/\\]{1,200}"),
+                      "mlflow": ("run_id", r"[0-9a-f]{32}"), "tensorboard": (None, "")}[name]  # fmt: skip
+    if not isinstance(identity, dict):
+        return False
+    if field is None or (name == "mlflow" and identity.get(field) is None):  # MLflow names its run once started
+        return True
+    return isinstance(identity.get(field), str) and re.fullmatch(pattern, identity[field]) is not None
+
+
+def _init_kwargs(name: str, identity: dict, out: Path) -> dict:
     """What Accelerate hands the tracker to start (or continue) the run's tracker run."""
     if name == "wandb":
         return {"id": identity["id"], "name": out.name, "resume": "allow", "dir": str(out)}
@@ -156,9 +235,8 @@ def _init_kwargs(name: str, identity: dict, out: Path, continued: bool) -> dict:
         return {"name": identity["name"], "resume": "allow"}
     if name == "mlflow":
         return {"run_id": identity.get("run_id"), "run_name": out.name}
-    # TensorBoard: its event files buffer writes, so a killed segment's may lack any of its steps. A later segment
-    # hides every earlier event (purge_step 0) and writes the whole history again, from metrics.jsonl.
-    return {"purge_step": 0} if continued else {}
+    # TensorBoard: a later segment hides every earlier event and writes the whole history again.
+    return {"purge_step": 0} if list((out / PROJECT).glob("events.out.tfevents.*")) else {}
 
 
 def _new_identity(name: str, out: Path) -> dict:
@@ -167,25 +245,33 @@ def _new_identity(name: str, out: Path) -> dict:
     return {"wandb": {"id": tag}, "trackio": {"name": f"{out.name}-{tag}"}}.get(name, {})
 
 
-def _held(accelerator, name: str, identity: dict) -> int:
-    """The last step the tracker's run already holds (-1: none, or a tracker that cannot say)."""
+def _held(accelerator, name: str, identity: dict, out: Path) -> dict:
+    """What the tracker's run holds: the last step of training records ("train") and of validation records
+    ("validation"), -1 for none or a tracker that cannot say, and whether it has the run's settings."""
+    rows, settings = [], False  # rows: (step, the names logged at it)
     if name == "trackio":
         from trackio.sqlite_storage import SQLiteStorage
 
-        held = SQLiteStorage.get_max_step_for_run(PROJECT, run=identity["name"])
-        return -1 if held is None else held
-    if name == "mlflow":
+        rows = [(r["step"], r) for r in SQLiteStorage.get_logs(PROJECT, identity["name"])]
+        settings = "parameters" in (SQLiteStorage.get_run_config(PROJECT, identity["name"]) or {})
+    elif name == "mlflow":
         from mlflow.tracking import MlflowClient
 
-        history = MlflowClient().get_metric_history(identity["run_id"], "loss")
-        return max((m.step for m in history), default=-1)
-    if name == "wandb":
+        client, run_id = MlflowClient(), identity["run_id"]
+        rows = [(m.step, {key: 1}) for key in ("loss", "val_loss") for m in client.get_metric_history(run_id, key)]
+        settings = "parameters" in client.get_run(run_id).data.params
+    elif name == "wandb":
         run = accelerator.get_tracker("wandb", unwrap=True)
         if run.settings.mode == "offline":
-            rows = wandb_offline_history(Path(run.settings.wandb_dir), identity["id"])[1]
-            return max((step for step, _ in rows), default=-1)
-        return run.step - 1 if run.resumed and run.step else -1  # online: the resumed run's next step
-    return -1  # tensorboard: purge_step hid what earlier segments wrote
+            _, rows, configs = wandb_offline_history(Path(run.settings.wandb_dir), identity["id"])
+            settings = any("parameters" in c for c in configs)
+        else:  # online: the resumed run's next step (W&B merges what is logged at a step it holds)
+            rows = [(run.step - 1, {"loss": 1, "val_loss": 1})] if run.resumed and run.step else []
+            settings = "parameters" in dict(run.config)
+    else:  # tensorboard: every earlier event hidden; its settings are in their own directory, not hidden
+        settings = any((out / PROJECT).glob("*/hparams.yml"))
+    last = lambda key: max((step for step, row in rows if key in row), default=-1)  # noqa: E731
+    return {"train": last("loss"), "validation": last("val_loss"), "settings": settings}
 
 
 def _flat(settings: dict, prefix: str = "") -> dict:
