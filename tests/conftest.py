@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -164,6 +165,7 @@ def once_for_all_workers(tmp_path_factory, name: str, make):
         done = root / f"{name}.pickle"
         if done.is_file():
             return pickle.loads(done.read_bytes())
+        shutil.rmtree(root / name, ignore_errors=True)  # what a worker that failed to make it left: made again
         (root / name).mkdir()
         result = make(root / name)
         done.write_bytes(pickle.dumps(result))
@@ -239,9 +241,11 @@ def train_moe(nproc: int, out, data, *extra, micro_batch_size=None):
 def moe_ref(docs_data, tmp_path_factory):
     """The DeepSeek-V3 tiny reference run: 3 ZeRO-3 processes x micro-batch 2, 24 steps, checkpoints at steps 12 and
     24, final/ exported; returns (OUT, the launch's CompletedProcess)."""
-    out = tmp_path_factory.mktemp("moe") / "ref"
-    proc = train_moe(3, out, docs_data, "--max_steps", STEPS, "--save_every", HALF)
-    return out, proc
+
+    def make(directory: Path):
+        return directory / "ref", train_moe(3, directory / "ref", docs_data, "--max_steps", STEPS, "--save_every", HALF)
+
+    return once_for_all_workers(tmp_path_factory, "moe", make)
 
 
 def reloaded_model(final_dir, data_dir) -> dict:

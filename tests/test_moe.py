@@ -8,6 +8,7 @@ speed is 0.003, not the report's 0.001: at this learning rate the tiny model's r
 within ~8 steps (MaxVio 3.0, every token in the same two experts) and 0.003 pulls them back within the run."""
 
 import json
+import shutil
 import sys
 
 import pytest
@@ -91,16 +92,18 @@ def test_moe_run_logs_balance_and_three_processes_equal_one(moe_ref, docs_data, 
 def test_stop_and_resume_on_two_processes_equals_straight(moe_ref, docs_data, tmp_path):
     """The reference's step-12 checkpoint of 3 processes resumed by hand in a new --output_dir on 2 (micro-batch 3: the
     same global batch; issue #38): steps 13-24 as the straight run's to 1e-5, the routers' biases (carried by the
-    checkpoint, moved by every step's expert loads) end equal, and of the reference's directory nothing moves: its
-    checkpoints only gain the universal copy beside step_12 (its step_24 was set aside as an abandoned branch)."""
-    out = tmp_path / "resumed"
-    half = moe_ref[0] / "checkpoints" / f"step_{HALF}"
-    before = sorted(p.name for p in (moe_ref[0] / "checkpoints").iterdir())
+    checkpoint, moved by every step's expert loads) end equal, and of the reference's directory (a copy: the other test
+    worker reads the reference meanwhile) nothing moves: its checkpoints only gain the universal copy beside step_12
+    (its step_24 was set aside as an abandoned branch)."""
+    ref, out = tmp_path / "ref", tmp_path / "resumed"
+    shutil.copytree(moe_ref[0], ref)
+    half = ref / "checkpoints" / f"step_{HALF}"
+    before = sorted(p.name for p in (ref / "checkpoints").iterdir())
     proc = train_moe(2, out, docs_data, "--max_steps", STEPS, "--resume", half, micro_batch_size=3)
     assert "written by 3 processes, this run has 2" in proc.stdout
-    after = sorted(p.name for p in (moe_ref[0] / "checkpoints").iterdir())
+    after = sorted(p.name for p in (ref / "checkpoints").iterdir())
     assert after == sorted([*before, f"step_{HALF}.universal"])
-    assert (moe_ref[0] / "checkpoints" / "latest").read_text().strip() == f"step_{STEPS}"
+    assert (ref / "checkpoints" / "latest").read_text().strip() == f"step_{STEPS}"
     straight, resumed = train_records(moe_ref[0]), train_records(out)
     assert sorted(resumed) == list(range(HALF + 1, STEPS + 1))
     for s in resumed:
@@ -122,14 +125,14 @@ def test_bias_balancing_lowers_maxvio(moe_ref, docs_data, tmp_path):
     assert "moe_aux_loss" not in off_records[STEPS]
 
 
-def test_exported_moe_reloads_generates_and_scores(moe_ref, docs_data):
+def test_exported_moe_reloads_generates_and_scores(moe_ref, docs_data, tmp_path):
     out = moe_ref[0]
     val = [r for r in metrics(out) if "val_loss" in r][-1]["val_loss/python-docs"]
     reloaded = reloaded_model(out / "final", docs_data)
     name, fresh, length = reloaded["class"], reloaded["val_loss"], reloaded["generated"]
     assert name == "DeepseekV3ForCausalLM" and length == 12
     assert fresh == pytest.approx(val, rel=1e-5)
-    report = out / "eval.json"
+    report = tmp_path / "eval.json"
     run([sys.executable, "eval.py", "--model", out / "final", "--dataset", docs_data, "--split", "validation",
          "--max_length", "64", "--max_documents", "4", "--output_json", report])  # fmt: skip
     assert json.loads(report.read_text())["token_perplexity"] > 1

@@ -255,15 +255,22 @@ def test_setup_error_reaches_the_user_in_a_multi_process_launch(done_run, tmp_pa
 
 @pytest.mark.parametrize("damage", ["torn", "not an object", "empty"])
 def test_damaged_trainer_state_is_skipped_or_refused(done_run, tmp_path, damage):
-    """A trainer_state.json cut short or replaced: --resume auto skips that checkpoint, an explicit --resume refuses."""
+    """A trainer_state.json cut short or replaced: --resume auto skips that checkpoint, an explicit --resume refuses.
+    The whole resume runs once (torn); for the others, what --resume auto picks, in-process (the same function)."""
+    from deepseek_zero3.run_dir import checkpoint
+
     out = copy_run(done_run, tmp_path, keep_step_4=True)
     shutil.rmtree(out / "final")
     state = out / "checkpoints" / "step_4" / "trainer_state.json"
     state.write_text({"torn": state.read_text()[:40], "not an object": "[1, 2]", "empty": ""}[damage])
     proc = train("--output_dir", out, "--resume", state.parent, check=False)
     assert_refused(proc, 2, f"cannot resume {state.parent}", "trainer_state.json")
-    proc = train("--output_dir", out, "--resume", "auto")
-    assert "resumed from" in proc.stdout and "step_2 at step 2" in proc.stdout
+    said = []
+    assert checkpoint.newest_intact_checkpoint(out / "checkpoints", said.append).name == "step_2"
+    assert said and "step_4" in said[0], said
+    if damage == "torn":
+        proc = train("--output_dir", out, "--resume", "auto")
+        assert "resumed from" in proc.stdout and "step_2 at step 2" in proc.stdout
 
 
 def test_output_dir_that_is_a_file(docs_data, tmp_path):

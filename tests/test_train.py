@@ -123,6 +123,7 @@ def test_resume_is_exact(ref, docs_data, tmp_path):
     logged = [(r["step"], r["loss"]) for r in records]
     ids, rows, configs = wandb_history(out)
     assert len(ids) == 1 and [row for row in rows if row[1] is not None] == logged, (ids, rows)
+    assert not (REPO / "wandb").exists()  # W&B started on the other processes too: seen once, runs in ./wandb
     first = configs[0]
     assert first["parameters"] > 0 and first["batch_plan/micro_batch_size"] == 2 and first["data_fingerprint"], first
     assert configs[1:] == [{}], configs  # the resumed segment logs no settings again

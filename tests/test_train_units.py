@@ -334,21 +334,43 @@ def test_a_failing_tracker_does_not_end_the_run(capsys):
             finished.append("process group")
 
     log = trackers.Trackers(Accelerator(), {"wandb": {"train": -1, "validation": -1},
-                                            "mlflow": {"train": 0, "validation": 1}})  # fmt: skip
-    log.log({"step": 1, "event": "resume", "restart": 1, "lost_steps": 2})
+                                            "mlflow": {"train": 1, "validation": 0}})  # fmt: skip
+    log.log({"step": 0, "event": "resume", "restart": 0, "lost_steps": 0})  # an earlier one: mlflow holds what follows
     for step in (0, 1, 2, 3):
-        log.log({"step": step, "loss": float("nan") if step == 3 else 1.0 / (step + 1), "note": "text"})
+        if step == 2:  # a resume from step 1's checkpoint: mlflow holds step 1's training record, not its validation
+            log.log({"step": 1, "event": "resume", "restart": 1, "lost_steps": 2})
+        log.log({"step": step, "loss": float("nan") if step == 3 else 1.0 / (step + 1), "lr": 0.1, "note": "text"})
         log.log({"step": step, "val_loss": 2.0, "val_loss/web": 2.5})
     log.log({"step": 3, "event": "stop", "signal": "SIGTERM"})
     assert [s for s, _ in sent["wandb"]] == [0, 0, 1, 1] and [s for s, _ in sent["mlflow"]] == [1, 2, 2, 3, 3]
-    assert sent["mlflow"][0][1] == {"resumed_at_step": 1, "lost_steps": 2, "launcher_restart": 1, "loss": 0.5}
-    assert sent["mlflow"][2][1] == {"val_loss": 2.0, "val_loss.web": 2.5} and sent["mlflow"][3][1] == {}
-    assert sent["wandb"][0][1] == {"resumed_at_step": 1, "lost_steps": 2, "launcher_restart": 1, "loss": 1.0}
+    assert sent["mlflow"][0][1] == {"val_loss": 2.0, "val_loss.web": 2.5}
+    assert sent["mlflow"][1][1] == {"resumed_at_step": 1, "lost_steps": 2, "launcher_restart": 1, "loss": 1 / 3,
+                                    "lr": 0.1}  # fmt: skip
+    assert sent["mlflow"][3][1] == {"lr": 0.1}  # a skipped interval: no loss
+    assert sent["wandb"][0][1] == {"resumed_at_step": 0, "lost_steps": 0, "launcher_restart": 0, "loss": 1.0, "lr": 0.1}
     assert sent["wandb"][1][1] == {"val_loss": 2.0, "val_loss/web": 2.5}
     log.end_training()
     assert finished == ["mlflow", "process group"]
     out = capsys.readouterr().out
     assert out.count("warning: --log_with wandb failed at step 2 (OSError") == 1 and "metrics.jsonl has every" in out
+
+
+def test_a_tracker_that_fails_to_start_is_dropped(tmp_path, capsys):
+    """A real one: TensorBoard whose directory is taken by a file. One warning, no tracker left to log or finish,
+    and OUT/trackers.json already written (a kill during the start leaves no run the next segment would not know)."""
+    from accelerate import Accelerator
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / trackers.PROJECT).write_text("a file where TensorBoard's directory goes")
+    accelerator = Accelerator(project_dir=str(out), cpu=True)
+    log = trackers.start(accelerator, ["tensorboard"], out, [{"step": 1, "lr": 1e-3}], 0, {"parameters": 1})
+    assert log.floors == {} and accelerator.trackers == []
+    assert "warning: --log_with tensorboard failed to start (FileExistsError" in capsys.readouterr().out
+    kept = json.loads((out / trackers.FILE).read_text())
+    assert kept == {"output_dir": str(out.resolve()), "runs": {"tensorboard": {}}}
+    log.log({"step": 2, "lr": 1e-3})
+    log.end_training()
 
 
 @pytest.mark.parametrize(

@@ -117,7 +117,8 @@ class Trackers:
         kind = "validation" if "val_loss" in record else "train"
         values = {k: v for k, v in record.items() if k != "step" and _finite(v)}
         for name, floors in list(self.floors.items()):
-            if record["step"] <= floors[kind]:
+            if record["step"] <= floors[kind]:  # held: so was an earlier resume's marker, if this follows one
+                self.pending.pop(name, None)
                 continue
             sent = {**self.pending.pop(name, {}), **values}
             if name == "mlflow":  # its file store cannot hold both "val_loss" and "val_loss/python-docs"
@@ -155,8 +156,6 @@ def start(accelerator, names: list[str], out: Path, history: list[dict], resume_
     event last) they lack. Returns Trackers."""
     if not names:
         return Trackers(accelerator, {})
-    from accelerate.tracking import filter_trackers
-
     main = accelerator.is_main_process
     kept = _kept(out) if main else {}
     ids = {name: kept.get(name) or _new_identity(name, out) for name in names}
@@ -166,31 +165,54 @@ def start(accelerator, names: list[str], out: Path, history: list[dict], resume_
         import mlflow
 
         mlflow.set_tracking_uri(ids["mlflow"]["tracking_uri"])  # where the run was, whatever the working directory
-    init_kwargs = {n: _init_kwargs(n, ids[n], out) for n in names} if main else {}
-    accelerator.log_with = filter_trackers(names, accelerator.logging_dir)  # a resumed run's: its checkpoint's
-    accelerator.init_trackers(PROJECT, config=None, init_kwargs=init_kwargs)
-    if not main:
-        return Trackers(accelerator, {})
-    if "mlflow" in names:
-        import mlflow
-
-        ids["mlflow"] = {"run_id": accelerator.get_tracker("mlflow", unwrap=True).info.run_id,
-                         "tracking_uri": mlflow.get_tracking_uri()}  # fmt: skip
-        write_json_atomic(out / FILE, {"output_dir": str(out.resolve()), "runs": {**kept, **ids}})
     trackers = Trackers(accelerator, {})
-    for name in names:
-        held = _held(accelerator, name, ids[name], out)
-        if not held.pop("settings"):
-            accelerator.get_tracker(name, unwrap=False).store_init_configuration(_flat(settings))
-        trackers.floors[name] = held
+    if not main:  # as Accelerate's init_trackers: W&B's and trackio's would start a run on every process
+        return trackers
+    started = (_started(n, _init_kwargs(n, ids[n], out), accelerator) for n in names)
+    accelerator.trackers = [tracker for tracker in started if tracker is not None]
+    for tracker in list(accelerator.trackers):
+        try:
+            if tracker.name == "mlflow":
+                import mlflow
+
+                ids["mlflow"] = {"run_id": tracker.tracker.info.run_id, "tracking_uri": mlflow.get_tracking_uri()}
+                write_json_atomic(out / FILE, {"output_dir": str(out.resolve()), "runs": {**kept, **ids}})
+            held = _held(accelerator, tracker.name, ids[tracker.name], out)
+            if not held.pop("settings"):
+                tracker.store_init_configuration(_flat(settings))
+            elif tracker.name == "trackio":  # a resumed trackio run's first row would store an empty config over it
+                tracker.store_init_configuration(held.pop("stored"))
+        except Exception as e:  # noqa: BLE001 - as in Trackers.log: the run goes on without it
+            trackers._drop(tracker.name, f"failed to start ({type(e).__name__}: {e})")
+            continue
+        trackers.floors[tracker.name] = held
         if held["train"] > resume_step:
             print(
-                f"note: --log_with {name} holds steps {resume_step + 1}-{held['train']} as the stopped segment logged "
-                f"them; this one trains them again (metrics.jsonl has its values) and sends the steps after"
+                f"note: --log_with {tracker.name} holds steps {resume_step + 1}-{held['train']} as the stopped segment "
+                f"logged them; this one trains them again (metrics.jsonl has its values) and sends the steps after"
             )
     for record in history:
         trackers.log(record)
     return trackers
+
+
+def _started(name: str, init_kwargs: dict, accelerator):
+    """Accelerate's tracker of that name, started (on the main process, the only one with trackers), or None if it
+    failed to start: warned about, and the run goes on without it (a resume starts it again and sends what it lacks)."""
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+
+    cls = LOGGER_TYPE_TO_CLASS[name]
+    try:
+        if cls.requires_logging_directory:
+            tracker = cls(PROJECT, accelerator.logging_dir, **init_kwargs)
+        else:
+            tracker = cls(PROJECT, **init_kwargs)
+        tracker.start()
+    except Exception as e:  # noqa: BLE001 - W&B's or MLflow's server, trackio's database, TensorBoard's disk
+        print(f"warning: --log_with {name} failed to start ({type(e).__name__}: {e}); the run goes on without it, "
+              f"metrics.jsonl has every step, and a resume sends {name} what it lacks")  # fmt: skip
+        return None
+    return tracker
 
 
 def _kept(out: Path) -> dict:
@@ -247,31 +269,41 @@ def _new_identity(name: str, out: Path) -> dict:
 
 def _held(accelerator, name: str, identity: dict, out: Path) -> dict:
     """What the tracker's run holds: the last step of training records ("train") and of validation records
-    ("validation"), -1 for none or a tracker that cannot say, and whether it has the run's settings."""
+    ("validation"), -1 for none or a tracker that cannot say, and whether it has the run's settings (trackio: and
+    those settings, "stored")."""
     rows, settings = [], False  # rows: (step, the names logged at it)
     if name == "trackio":
         from trackio.sqlite_storage import SQLiteStorage
 
         rows = [(r["step"], r) for r in SQLiteStorage.get_logs(PROJECT, identity["name"])]
-        settings = "parameters" in (SQLiteStorage.get_run_config(PROJECT, identity["name"]) or {})
+        stored = SQLiteStorage.get_run_config(PROJECT, identity["name"]) or {}
+        settings = "parameters" in stored
+        if settings:
+            return {**_last_steps(rows), "settings": True, "stored": {k: v for k, v in stored.items() if k[0] != "_"}}
     elif name == "mlflow":
         from mlflow.tracking import MlflowClient
 
         client, run_id = MlflowClient(), identity["run_id"]
-        rows = [(m.step, {key: 1}) for key in ("loss", "val_loss") for m in client.get_metric_history(run_id, key)]
+        rows = [(m.step, {key: 1}) for key in ("lr", "val_loss") for m in client.get_metric_history(run_id, key)]
         settings = "parameters" in client.get_run(run_id).data.params
     elif name == "wandb":
         run = accelerator.get_tracker("wandb", unwrap=True)
-        if run.settings.mode == "offline":
+        if run.offline:  # WANDB_MODE offline or dryrun
             _, rows, configs = wandb_offline_history(Path(run.settings.wandb_dir), identity["id"])
             settings = any("parameters" in c for c in configs)
         else:  # online: the resumed run's next step (W&B merges what is logged at a step it holds)
-            rows = [(run.step - 1, {"loss": 1, "val_loss": 1})] if run.resumed and run.step else []
+            rows = [(run.step - 1, {"lr": 1, "val_loss": 1})] if run.resumed and run.step else []
             settings = "parameters" in dict(run.config)
     else:  # tensorboard: every earlier event hidden; its settings are in their own directory, not hidden
         settings = any((out / PROJECT).glob("*/hparams.yml"))
+    return {**_last_steps(rows), "settings": settings}
+
+
+def _last_steps(rows: list[tuple[int, dict]]) -> dict:
+    """The last step of the training records among a tracker's rows (those with an LR, which is never NaN, unlike
+    the loss of an interval of skipped steps) and of the validation records."""
     last = lambda key: max((step for step, row in rows if key in row), default=-1)  # noqa: E731
-    return {"train": last("loss"), "validation": last("val_loss"), "settings": settings}
+    return {"train": last("lr"), "validation": last("val_loss")}
 
 
 def _flat(settings: dict, prefix: str = "") -> dict:
