@@ -334,19 +334,24 @@ def test_a_failing_tracker_does_not_end_the_run(capsys):
             finished.append("process group")
 
     log = trackers.Trackers(Accelerator(), {"wandb": {"train": -1, "validation": -1},
-                                            "mlflow": {"train": 1, "validation": 0}})  # fmt: skip
-    log.log({"step": 0, "event": "resume", "restart": 0, "lost_steps": 0})  # an earlier one: mlflow holds what follows
-    for step in (0, 1, 2, 3):
-        if step == 2:  # a resume from step 1's checkpoint: mlflow holds step 1's training record, not its validation
-            log.log({"step": 1, "event": "resume", "restart": 1, "lost_steps": 2})
+                                            "mlflow": {"train": 2, "validation": 0}})  # fmt: skip
+
+    def records(step):
         log.log({"step": step, "loss": float("nan") if step == 3 else 1.0 / (step + 1), "lr": 0.1, "note": "text"})
         log.log({"step": step, "val_loss": 2.0, "val_loss/web": 2.5})
+
+    log.replaying = True  # metrics.jsonl up to the checkpoint (step 1), as start sends it
+    log.log({"step": 0, "event": "resume", "restart": 0, "lost_steps": 0})  # an earlier one: mlflow holds what follows
+    records(0), records(1)
+    log.log({"step": 1, "event": "resume", "restart": 1, "lost_steps": 2})  # this segment's, last in the file
+    log.replaying = False
+    records(2), records(3)  # mlflow holds step 2's training record (the stopped segment's): its marker waits
     log.log({"step": 3, "event": "stop", "signal": "SIGTERM"})
-    assert [s for s, _ in sent["wandb"]] == [0, 0, 1, 1] and [s for s, _ in sent["mlflow"]] == [1, 2, 2, 3, 3]
+    assert [s for s, _ in sent["wandb"]] == [0, 0, 1, 1] and [s for s, _ in sent["mlflow"]] == [1, 2, 3, 3]
+    marker = {"resumed_at_step": 1, "lost_steps": 2, "launcher_restart": 1}
     assert sent["mlflow"][0][1] == {"val_loss": 2.0, "val_loss.web": 2.5}
-    assert sent["mlflow"][1][1] == {"resumed_at_step": 1, "lost_steps": 2, "launcher_restart": 1, "loss": 1 / 3,
-                                    "lr": 0.1}  # fmt: skip
-    assert sent["mlflow"][3][1] == {"lr": 0.1}  # a skipped interval: no loss
+    assert sent["mlflow"][1][1] == {**marker, "val_loss": 2.0, "val_loss.web": 2.5}
+    assert sent["mlflow"][2][1] == {"lr": 0.1}  # a skipped interval: no loss
     assert sent["wandb"][0][1] == {"resumed_at_step": 0, "lost_steps": 0, "launcher_restart": 0, "loss": 1.0, "lr": 0.1}
     assert sent["wandb"][1][1] == {"val_loss": 2.0, "val_loss/web": 2.5}
     log.end_training()

@@ -103,6 +103,7 @@ class Trackers:
     accelerator: object
     floors: dict[str, dict[str, int]]
     pending: dict[str, dict] = dataclasses.field(default_factory=dict)
+    replaying: bool = False  # sending metrics.jsonl's records at start, not the steps this segment trains
 
     def log(self, record: dict) -> None:
         """A metrics.jsonl record to each tracker that lacks it: its finite numbers (a skipped step's loss is not
@@ -117,8 +118,9 @@ class Trackers:
         kind = "validation" if "val_loss" in record else "train"
         values = {k: v for k, v in record.items() if k != "step" and _finite(v)}
         for name, floors in list(self.floors.items()):
-            if record["step"] <= floors[kind]:  # held: so was an earlier resume's marker, if this follows one
-                self.pending.pop(name, None)
+            if record["step"] <= floors[kind]:
+                if self.replaying:  # held: so is an earlier resume's marker, which goes with what follows it
+                    self.pending.pop(name, None)
                 continue
             sent = {**self.pending.pop(name, {}), **values}
             if name == "mlflow":  # its file store cannot hold both "val_loss" and "val_loss/python-docs"
@@ -191,8 +193,10 @@ def start(accelerator, names: list[str], out: Path, history: list[dict], resume_
                 f"note: --log_with {tracker.name} holds steps {resume_step + 1}-{held['train']} as the stopped segment "
                 f"logged them; this one trains them again (metrics.jsonl has its values) and sends the steps after"
             )
+    trackers.replaying = True
     for record in history:
         trackers.log(record)
+    trackers.replaying = False  # this segment's resume marker, last in history, waits for the first step sent
     return trackers
 
 
