@@ -250,5 +250,4 @@ def start_outputs(run, accelerator, mem_before_model_gib: float, n_params: int) 
             )
         write_json_atomic(out / "config.json", {**settings, "peak_mem_before_model_gib": mem_before_model_gib})
     settings.update(parameters=n_params, data_fingerprint=run.data.fingerprint, processes=accelerator.num_processes)
-    names = [n.strip() for n in cfg.log_with.split(",") if n.strip()]
-    return trackers.start(accelerator, names, out, history, step, settings)
+    return trackers.start(accelerator, trackers.names_of(cfg.log_with), out, history, step, settings)

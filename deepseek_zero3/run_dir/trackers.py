@@ -10,7 +10,7 @@ the run's settings (the full Config, the batch plan, the parameter count, the da
 once. A killed segment's tracker may not have stored its last records (W&B and trackio write from a queue), so a later
 segment sends metrics.jsonl's records up to the checkpoint that the tracker lacks, then the steps it trains. Asked:
 trackio its database, MLflow its run, W&B offline its files under OUT/wandb/ (one directory per segment with the same
-run id: `wandb sync OUT/wandb/offline-run-*` uploads them in order as one run), W&B online the resumed run. TensorBoard
+run id; README: `wandb sync --id ID OUT/wandb/offline-run-*`), W&B online the resumed run. TensorBoard
 cannot say (its event files buffer writes): a later segment hides every earlier event (purge_step 0) and writes the
 whole history again. A step the tracker holds past the checkpoint stays as the stopped segment logged it (a step axis
 does not go back); a note names such steps. A resume's fields ("resumed_at_step", "lost_steps", "launcher_restart")
@@ -30,9 +30,13 @@ from pathlib import Path
 from deepseek_zero3.cli import UserError, write_json_atomic
 
 KNOWN = ("wandb", "trackio", "tensorboard", "mlflow")  # those whose run a resume can continue
-PACKAGES = {"wandb": "wandb", "trackio": "trackio", "tensorboard": "tensorboard", "mlflow": "mlflow"}
 PROJECT = "deepseek-zero3"  # W&B's and trackio's project, MLflow's experiment, TensorBoard's directory in OUT
 FILE = "trackers.json"
+
+
+def names_of(log_with: str) -> list[str]:
+    """--log_with's comma-separated names, blanks left out."""
+    return [n.strip() for n in log_with.split(",") if n.strip()]
 
 
 def check(log_with: str) -> list[str]:
@@ -40,7 +44,7 @@ def check(log_with: str) -> list[str]:
     Accelerate's ValueError, or a warning and a run with no tracker at all."""
     from accelerate.utils import imports
 
-    names = [n.strip() for n in log_with.split(",") if n.strip()]
+    names = names_of(log_with)
     if log_with and not names:
         raise UserError(f"--log_with {log_with!r} names no tracker; e.g. --log_with tensorboard, or leave it out")
     for name in names:
@@ -50,7 +54,7 @@ def check(log_with: str) -> list[str]:
                 f"run a resumed run continues)"
             )
         if not getattr(imports, f"is_{name}_available")():
-            raise UserError(f"--log_with {name}: the {name} package is not installed; pip install {PACKAGES[name]}")
+            raise UserError(f"--log_with {name}: the {name} package is not installed; pip install {name}")
     if len(set(names)) < len(names):
         raise UserError(f"--log_with {log_with!r} names a tracker twice")
     if "wandb" in names and not (_wandb_offline() or _wandb_key()):
@@ -155,42 +159,44 @@ def _finite(v) -> bool:
 def start(accelerator, names: list[str], out: Path, history: list[dict], resume_step: int, settings: dict):
     """Start the trackers as the run's tracker runs (new ones, or those OUT/trackers.json names), log `settings` to
     those that lack them, and send them what of `history` (metrics.jsonl up to the checkpoint, this segment's resume
-    event last) they lack. Returns Trackers."""
-    if not names:
-        return Trackers(accelerator, {})
-    main = accelerator.is_main_process
-    kept = _kept(out) if main else {}
+    event last) they lack. Only the main process has trackers, as with Accelerate's init_trackers (W&B's and trackio's
+    would start a run on every process). Returns Trackers."""
+    trackers = Trackers(accelerator, {})
+    if not names or not accelerator.is_main_process:
+        return trackers
+    kept = _kept(out)
     ids = {name: kept.get(name) or _new_identity(name, out) for name in names}
-    if main:  # before the trackers start: a kill while they do leaves no run the next segment would not continue
+
+    def save() -> None:
         write_json_atomic(out / FILE, {"output_dir": str(out.resolve()), "runs": {**kept, **ids}})
-    if main and "mlflow" in names and ids["mlflow"].get("tracking_uri") and not os.environ.get("MLFLOW_TRACKING_URI"):
+
+    save()  # before the trackers start: a kill while they do leaves no run the next segment would not continue
+    if "mlflow" in names and ids["mlflow"].get("tracking_uri") and not os.environ.get("MLFLOW_TRACKING_URI"):
         import mlflow
 
         mlflow.set_tracking_uri(ids["mlflow"]["tracking_uri"])  # where the run was, whatever the working directory
-    trackers = Trackers(accelerator, {})
-    if not main:  # as Accelerate's init_trackers: W&B's and trackio's would start a run on every process
-        return trackers
-    started = (_started(n, _init_kwargs(n, ids[n], out), accelerator) for n in names)
-    accelerator.trackers = [tracker for tracker in started if tracker is not None]
-    for tracker in list(accelerator.trackers):
-        try:
-            if tracker.name == "mlflow":
+    accelerator.trackers = []
+    for name in names:
+        try:  # W&B's or MLflow's server, trackio's database, TensorBoard's disk: the run goes on without it
+            tracker = _started(name, _init_kwargs(name, ids[name], out), accelerator)
+            accelerator.trackers.append(tracker)
+            if name == "mlflow":
                 import mlflow
 
                 ids["mlflow"] = {"run_id": tracker.tracker.info.run_id, "tracking_uri": mlflow.get_tracking_uri()}
-                write_json_atomic(out / FILE, {"output_dir": str(out.resolve()), "runs": {**kept, **ids}})
-            held = _held(accelerator, tracker.name, ids[tracker.name], out)
+                save()
+            held = _held(accelerator, name, ids[name], out)
             if not held.pop("settings"):
                 tracker.store_init_configuration(_flat(settings))
-            elif tracker.name == "trackio":  # a resumed trackio run's first row would store an empty config over it
+            elif name == "trackio":  # a resumed trackio run's first row would store an empty config over it
                 tracker.store_init_configuration(held.pop("stored"))
-        except Exception as e:  # noqa: BLE001 - as in Trackers.log: the run goes on without it
-            trackers._drop(tracker.name, f"failed to start ({type(e).__name__}: {e})")
+        except Exception as e:  # noqa: BLE001 - as in Trackers.log
+            trackers._drop(name, f"failed to start ({type(e).__name__}: {e})")
             continue
-        trackers.floors[tracker.name] = held
+        trackers.floors[name] = held
         if held["train"] > resume_step:
             print(
-                f"note: --log_with {tracker.name} holds steps {resume_step + 1}-{held['train']} as the stopped segment "
+                f"note: --log_with {name} holds steps {resume_step + 1}-{held['train']} as the stopped segment "
                 f"logged them; this one trains them again (metrics.jsonl has its values) and sends the steps after"
             )
     trackers.replaying = True
@@ -201,21 +207,15 @@ def start(accelerator, names: list[str], out: Path, history: list[dict], resume_
 
 
 def _started(name: str, init_kwargs: dict, accelerator):
-    """Accelerate's tracker of that name, started (on the main process, the only one with trackers), or None if it
-    failed to start: warned about, and the run goes on without it (a resume starts it again and sends what it lacks)."""
+    """Accelerate's tracker of that name, started."""
     from accelerate.tracking import LOGGER_TYPE_TO_CLASS
 
     cls = LOGGER_TYPE_TO_CLASS[name]
-    try:
-        if cls.requires_logging_directory:
-            tracker = cls(PROJECT, accelerator.logging_dir, **init_kwargs)
-        else:
-            tracker = cls(PROJECT, **init_kwargs)
-        tracker.start()
-    except Exception as e:  # noqa: BLE001 - W&B's or MLflow's server, trackio's database, TensorBoard's disk
-        print(f"warning: --log_with {name} failed to start ({type(e).__name__}: {e}); the run goes on without it, "
-              f"metrics.jsonl has every step, and a resume sends {name} what it lacks")  # fmt: skip
-        return None
+    if cls.requires_logging_directory:
+        tracker = cls(PROJECT, accelerator.logging_dir, **init_kwargs)
+    else:
+        tracker = cls(PROJECT, **init_kwargs)
+    tracker.start()
     return tracker
 
 
