@@ -32,8 +32,9 @@ import torch
 
 from deepseek_zero3 import cli, distributed
 from deepseek_zero3.cli import UserError, field
-from deepseek_zero3.model import models, moe
-from deepseek_zero3.model.lmloss import DEFAULT_CHUNK_TOKENS, document_positions, loss_path, model_nll, validation_loss
+from deepseek_zero3.model import models, moe, mtp
+from deepseek_zero3.model.lmloss import DEFAULT_CHUNK_TOKENS, document_positions, loss_path, model_nll
+from deepseek_zero3.model.lmloss import validation_losses
 from deepseek_zero3.planning import plan
 from deepseek_zero3.recipe.schedule import Schedule, branch_settings, check_schedule_flags, parse_fractions, replan
 from deepseek_zero3.run_dir import card, checkpoint, metrics, reshard, resilience, trackers
@@ -121,6 +122,10 @@ class Config:
                                                 "0: off)")
     moe_aux_loss_alpha: float = field(0.0001, "MoE models: weight of the sequence-wise balance loss (DeepSeek-V3's "
                                               "alpha; 0: off)")
+    mtp_depth: int = field(-1, "multi-token prediction modules, the k-th predicting the token k+1 ahead (DeepSeek-V3; "
+                               "-1: 1 for deepseek-v3-* models, 0 for Llama ones; 0: off)")
+    mtp_loss_weight: float = field(0.3, "weight of the MTP loss, lambda (DeepSeek-V3: 0.3, then 0.1 for the last "
+                                        "third of its tokens)")
 # fmt: on
 
 
@@ -172,10 +177,20 @@ def get_batch(data: token_data.TrainingData, ids: range, cfg: Config) -> tuple[t
     return inputs, batch[:, 1:], positions
 
 
-def lm_loss(model, batch: tuple[torch.Tensor, ...], cfg: Config) -> torch.Tensor:
+def lm_loss(model, batch: tuple[torch.Tensor, ...], cfg: Config, mtp_scale: torch.Tensor | None = None):
+    """The mean next-token loss; with MTP modules a vector: that loss, then each depth's (mtp.py), the mean over its
+    scored targets or, in training, its summed NLL x mtp_scale (mtp.step_scale: the global batch's mean, shared out)."""
     inputs, targets, positions = batch
-    nll, n = model_nll(model, inputs, targets, cfg.loss_chunk_tokens, positions)  # never all logits at once: lmloss
-    return (nll / n).float()
+    depths = mtp.depth_targets(inputs, targets, positions, cfg.mtp_depth) if cfg.mtp_depth else None
+    nll, n = model_nll(model, inputs, targets, cfg.loss_chunk_tokens, positions, depths)  # never all logits at once
+    return (nll / n if mtp_scale is None else torch.cat([nll[:1] / n[:1], nll[1:] * mtp_scale])).float()
+
+
+def mtp_scale(run, step: int) -> torch.Tensor:
+    """mtp.step_scale of the step's global batch: every process's samples, as sample_ids lays them out."""
+    n = run.batch.sequences_per_step
+    batch = get_batch(run.data, range(n * step, n * (step + 1)), run.cfg)
+    return mtp.step_scale(batch, run.cfg.mtp_depth, n // run.batch.micro_batch_size)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -235,10 +250,13 @@ def check_flags(cfg: Config) -> None:
             raise UserError(f"--{name} {getattr(cfg, name)} must be at least 1")
     never_negative = ("max_steps", "warmup_steps", "lr_decay_steps", "eval_every", "save_every", "eval_tokens",
                       "moe_bias_update_speed", "moe_aux_loss_alpha", "loss_chunk_tokens", "max_grad_norm",
-                      "max_skipped_steps", "decay_branch", "decay_start_step")  # fmt: skip
+                      "max_skipped_steps", "decay_branch", "decay_start_step", "mtp_loss_weight")  # fmt: skip
     for name in never_negative:
         if getattr(cfg, name) < 0:
             raise UserError(f"--{name} {getattr(cfg, name)} must not be negative")
+    if not -1 <= cfg.mtp_depth < cfg.seq_len:
+        raise UserError(f"--mtp_depth {cfg.mtp_depth} must be -1 (the model's default), 0 (off) or a number of modules "
+                        f"below --seq_len {cfg.seq_len}")  # fmt: skip
     if not (cfg.step_timeout_s >= 0 or cfg.step_timeout_s == -1):
         raise UserError(f"--step_timeout_s {cfg.step_timeout_s} must be -1 (automatic), 0 (off) or a number of seconds")
     if cfg.max_steps == 0 and cfg.num_epochs <= 0:
@@ -282,6 +300,7 @@ def check(cfg: Config, given: set[str], accelerator) -> Run:
         if cfg.init_from and resume is None:
             models.check_init_from(cfg.init_from, tokenizer, data.meta["eos_id"])
         model_config = models.load_model_config(cfg.model_config, cfg.init_from, cfg.seq_len, data.meta)
+    cfg = dataclasses.replace(cfg, mtp_depth=mtp.depth_of(cfg.mtp_depth, model_config))  # -1: the model's own
     launch = distributed.live_launch(accelerator)
     batch = token_data.BatchPlan(cfg.micro_batch_size, launch.grad_accum_steps, launch.world_size, cfg.seq_len)
     total_steps = token_data.total_steps_for(cfg.max_steps, cfg.num_epochs, data.n_windows, batch.sequences_per_step)
@@ -355,6 +374,8 @@ def build_model(run: Run, accelerator):
         model = AutoModelForCausalLM.from_pretrained(cfg.init_from, **model_kwargs)
     else:
         model = models.scale_residual_init(AutoModelForCausalLM.from_config(run.model_config, **model_kwargs))
+    if cfg.mtp_depth:  # DeepSeek-V3's MTP modules, fresh also on --init_from (its final/mtp.safetensors is not read)
+        mtp.attach(model, cfg.mtp_depth, cfg.seed)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
@@ -439,8 +460,10 @@ def train(cfg: Config, given: set[str]) -> int:
 
     def validate_at(step: int) -> None:
         eos = run.data.meta["eos_id"] if cfg.document_masking else None
-        losses = {
-            s.name: validation_loss(model, accelerator, s.val_tokens, cfg.seq_len, cfg.micro_batch_size, chunk, eos)
+        losses = {  # each source's main loss, then its MTP depths'
+            s.name: validation_losses(
+                model, accelerator, s.val_tokens, cfg.seq_len, cfg.micro_batch_size, chunk, eos, cfg.mtp_depth
+            )
             for s in run.data.sources
             if token_data.num_windows(len(s.val_tokens), cfg.seq_len)
         }
@@ -464,15 +487,17 @@ def train(cfg: Config, given: set[str]) -> int:
         lr = run.schedule.lr(step - skips.total)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss_sum, grad_norm = torch.zeros((), device=accelerator.device), None
+        loss_sum, grad_norm = torch.zeros(1 + cfg.mtp_depth, device=accelerator.device), None
+        scale = mtp_scale(run, step).to(accelerator.device) if cfg.mtp_depth else None
         for micro_step in range(accum):
             batch = get_batch(run.data, sample_ids(step, micro_step, rank, run.batch), cfg)
             batch = tuple(t.to(accelerator.device) if t is not None else None for t in batch)
             with accelerator.accumulate(model):
                 with balancer.collecting() if balancer else contextlib.nullcontext():
-                    loss = lm_loss(model, batch, cfg)
+                    losses = lm_loss(model, batch, cfg, scale)  # the main loss, then each MTP depth's
                 if cli.fault("nan_loss", rank, step + 1):
-                    loss = loss * float("nan")
+                    losses = losses * float("nan")
+                loss = mtp.objective(losses.reshape(-1), cfg.mtp_loss_weight)
                 aux_loss = balancer.aux_loss() if balancer else None
                 resilience.backward(accelerator, loss if aux_loss is None else loss + aux_loss, step + 1)
                 skip = False
@@ -482,7 +507,7 @@ def train(cfg: Config, given: set[str]) -> int:
                 if not skip:  # (DeepSpeed and Accelerate's fp16 scaler skip a non-finite step themselves)
                     optimizer.step()
                 optimizer.zero_grad()
-            loss_sum += loss.detach()
+            loss_sum += losses.detach()
         if balancer:
             balancer.update(accelerator)
         for kind in ("sigterm_launcher", "sigkill_rank", "sigstop_rank", "slow_step"):  # the crash tests' points
@@ -532,48 +557,14 @@ def train(cfg: Config, given: set[str]) -> int:
             return 0
     bar.close()
     watchdog.beat(step, "final export")
-    code = finish(run, parts)
+    code = card.finish(run, parts)
     watchdog.stop()
     return code
 
 
-def finish(run: Run, parts: Parts) -> int:
-    """After the last step's checkpoint: OUT/final with its card, the loss curve, and what the finished run no longer
-    needs; --push_to_hub uploads final/. Returns the exit code (3: the upload failed, the model is on disk)."""
-    accelerator, out = parts.accelerator, Path(run.cfg.output_dir)
-    again = run.resume is not None and run.resume.state["step"] >= run.total_steps  # a finished run launched again
-    kept = card.kept_card(out / "final") if again and accelerator.is_main_process else None
-    final = checkpoint.export_final(accelerator, parts.model, run.tokenizer, out)
-    if parts.finaliser:
-        removed = checkpoint.remove_leftovers(out / "checkpoints", finished=True)
-        if removed:
-            print(f"removed from {out / 'checkpoints'}, no longer needed by the finished run: {', '.join(removed)}")
-    if accelerator.is_main_process:
-        metrics.plot_losses(out / "metrics.jsonl", out / "loss_curve.png")
-        records = metrics.read_metrics(out / "metrics.jsonl")[0]
-        card.save(final, kept) if kept is not None else card.write_card(final, run, records)
-        accelerator.print(
-            f"done: model and its card (README.md) in {final}, loss curve in {out / 'loss_curve.png'}, metrics in "
-            f"{out / 'metrics.jsonl'}"
-        )
-    pushed = ""
-    if accelerator.is_main_process and run.cfg.push_to_hub:
-        pushed = card.push_final(final, run.cfg.push_to_hub, run.total_steps)
-    parts.trackers.end_training()
-    return 3 if pushed is None else 0
-
-
 def run_plan(cfg: Config) -> int:
     """`train.py --plan [--compare]`: the plan for a config on paper, no process group and no GPU needed."""
-    try:
-        check_flags(cfg)
-        first = Path((token_data.data_dirs(cfg.data_dir) or [""])[0])  # its vocabulary size, shared by all
-        meta = token_data.read_meta(first) if (first / "meta.json").is_file() else None
-        plan.print_plan(cfg, models.load_model_config(cfg.model_config, cfg.init_from, cfg.seq_len, meta))
-    except (OSError, KeyError, UserError) as e:
-        cli.print_error(str(e))
-        return 2
-    return 0
+    return plan.plan_on_paper(cfg, check_flags)
 
 
 def main(argv: list[str] | None = None) -> int:

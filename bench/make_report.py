@@ -26,6 +26,7 @@ ORDER = [
     "document_masking",
     "vs_nanogpt",
     "schedules",
+    "mtp",
 ]
 # (result, what, key, target): a ratio is "at least" its target; a negative target -t means "at most" t.
 SUMMARY = [
@@ -121,6 +122,12 @@ SUMMARY = [
         "nanoGPT's best validation loss / train.py's, each the best of 3 peak LRs, `mini`, same tokens and windows",
         "nanogpt_over_train_py",
         1.0,
+    ),
+    (
+        "mtp",
+        "main validation loss with one MTP module / without, `deepseek-v3-mini`, same tokens (614,400), 1 CPU process",
+        "val_loss_ratio_with_over_without",
+        -1.0,
     ),
 ]
 

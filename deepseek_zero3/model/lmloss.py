@@ -5,6 +5,7 @@ a token file, split over all processes (train.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import numpy as np
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from deepseek_zero3 import cli
+from deepseek_zero3.model import mtp
 from deepseek_zero3.tokens import token_data
 
 # Tokens per chunk of the output layer + cross-entropy (train.py's --loss_chunk_tokens default, eval.py's windows).
@@ -44,8 +46,14 @@ def document_positions(inputs: torch.Tensor, eos_id: int) -> torch.Tensor:
     return index - torch.where(starts, index, torch.zeros_like(index)).cummax(-1).values
 
 
+def validation_loss(model, accelerator, tokens, seq_len, micro_batch_size, chunk_tokens=DEFAULT_CHUNK_TOKENS,
+                    eos_id=None) -> float:  # fmt: skip
+    """validation_losses' main next-token loss."""
+    return validation_losses(model, accelerator, tokens, seq_len, micro_batch_size, chunk_tokens, eos_id)[0]
+
+
 @torch.no_grad()
-def validation_loss(
+def validation_losses(
     model,
     accelerator,
     tokens: np.ndarray,
@@ -53,9 +61,11 @@ def validation_loss(
     micro_batch_size: int,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     eos_id: int | None = None,
-) -> float:
-    """Mean next-token loss over non-overlapping windows of the validation tokens, split over all processes; with
-    eos_id, each document of a window attends only to itself (document_positions), as training does.
+    mtp_depth: int = 0,
+) -> list[float]:
+    """Mean next-token loss over non-overlapping windows of the validation tokens, split over all processes, then
+    each MTP depth's (mtp_depth of them); with eos_id, each document of a window attends only to itself
+    (document_positions), as training does.
 
     Every process runs the same number of forward passes (ZeRO-3 gathers parameters collectively); a process with
     fewer windows pads with a repeat whose tokens carry no weight.
@@ -65,7 +75,7 @@ def validation_loss(
     n = token_data.num_windows(len(tokens), seq_len)
     mine = list(range(accelerator.process_index, n, accelerator.num_processes))
     per_rank = -(-n // accelerator.num_processes)
-    total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
+    total = torch.zeros(2, 1 + mtp_depth, dtype=torch.float64, device=accelerator.device)
     for start in range(0, per_rank, micro_batch_size):
         chunk = [mine[i] if i < len(mine) else None for i in range(start, min(start + micro_batch_size, per_rank))]
         rows = torch.from_numpy(
@@ -73,16 +83,17 @@ def validation_loss(
         )
         targets = rows[:, 1:].clone()
         targets[[i for i, w in enumerate(chunk) if w is None]] = -100
-        inputs = rows[:, :-1].to(accelerator.device)
+        inputs, targets = rows[:, :-1].to(accelerator.device), targets.to(accelerator.device)
         positions = document_positions(inputs, eos_id) if eos_id is not None else None
-        nll, n = model_nll(model, inputs, targets.to(accelerator.device), chunk_tokens, positions)
-        total += torch.stack([nll, n])
+        depths = mtp.depth_targets(inputs, targets, positions, mtp_depth) if mtp_depth else None
+        nll, n = model_nll(model, inputs, targets, chunk_tokens, positions, depths)
+        total += torch.stack([nll, n]).view(2, -1)
     if accelerator.num_processes > 1:  # an Accelerator (train.py) or a PartialState (eval.py)
         torch.distributed.all_reduce(total)
     model.train()
     if not trained_trace:  # a trace recorded by training already covers these forwards; one recorded here does not
         forget_zero3_eval_trace(model)
-    return float(total[0] / total[1])
+    return (total[0] / total[1]).tolist()
 
 
 def zero3_coordinator(engine):
@@ -230,7 +241,12 @@ def _liger_loss(device: torch.device):
 
 
 def model_nll(
-    model, inputs: torch.Tensor, targets: torch.Tensor, chunk_tokens: int, position_ids: torch.Tensor | None = None
+    model,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_tokens: int,
+    position_ids: torch.Tensor | None = None,
+    mtp_depths: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """nll_sum of a causal LM's next-token predictions (targets of -100 are not scored); position_ids restarting at a
     document's first token keep each document's attention to itself (document_positions).
@@ -241,37 +257,51 @@ def model_nll(
     That is the loss only if the model returns what its output layer returned as its logits, unchanged: checked on a
     model's first call (ZeRO-3 hands back a copy, so by value). A model that caps, scales or reshapes its logits, or
     whose output layer has a bias, is named once and takes the full logits path.
+
+    With mtp_depths (mtp.depth_targets of the batch) the model's MTP modules run inside the output layer's call, on
+    the hidden states it received, and the output layer returns [main, depth 1, .., depth D] summed NLLs: one output,
+    so ZeRO-3 gathers its weight before any of their backward passes. The sum and count are then such vectors.
     """
     from accelerate.utils import extract_model_from_parallel
 
     core = extract_model_from_parallel(model)
-    head = core.get_output_embeddings() if chunk_tokens else None
+    head = core.get_output_embeddings() if chunk_tokens or mtp_depths else None
     if isinstance(head, torch.nn.Linear) and head.bias is None and _plain.get(core, True):
         flat_targets, liger = targets.reshape(-1), _liger_loss(inputs.device)
 
-        def loss_forward(hidden: torch.Tensor) -> torch.Tensor:
-            hidden = hidden.reshape(-1, hidden.shape[-1])
+        def nll(hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
             if liger is not None:
-                return liger(head.weight, hidden, flat_targets).double()
-            return ChunkedLinearNLL.apply(hidden, head.weight, flat_targets, chunk_tokens)
+                return liger(head.weight, hidden, targets).double()
+            return ChunkedLinearNLL.apply(hidden, head.weight, targets, chunk_tokens or len(hidden))
+
+        def loss_forward(hidden: torch.Tensor) -> torch.Tensor:
+            if not mtp_depths:
+                return nll(hidden, flat_targets)
+            return torch.stack([nll(hidden, flat_targets), *mtp.run_depths(core, capture, hidden, mtp_depths, nll)])
 
         returned = []
         head.forward = loss_forward
         hook = head.register_forward_hook(lambda module, args, output: returned.append(output))
+        capture = mtp.Capture(core)
         try:
-            logits = model(input_ids=inputs, position_ids=position_ids, use_cache=False).logits
+            with capture.active() if mtp_depths else contextlib.nullcontext():
+                logits = model(input_ids=inputs, position_ids=position_ids, use_cache=False).logits
         except torch.OutOfMemoryError:  # not a property of the model: it must not switch the loss path
             raise
         except (RuntimeError, IndexError):  # a model that reshapes or slices its logits
-            if core in _plain:
+            if core in _plain or mtp_depths:
                 raise
             logits = None
         finally:
             del head.forward
             hook.remove()
+        n = torch.stack([(t != -100).sum() for t in [targets] + [t for _, t in mtp_depths or []]]).double()
         if core in _plain or (len(returned) == 1 and logits is not None and _same(logits, returned[0])):
             _plain[core] = True
-            return logits, (targets != -100).sum().double()
+            return logits, n if mtp_depths else n[0]
+        if mtp_depths:
+            raise ValueError(f"{type(core).__name__} changes its output layer's logits: its MTP loss cannot be taken")
         _plain[core] = False
         _print_once(f"note: {type(core).__name__} changes its output layer's logits; the loss takes them whole")
     return nll_sum(model(input_ids=inputs, position_ids=position_ids, use_cache=False).logits, targets)

@@ -197,7 +197,7 @@ def load_model_config(model_config: str, init_from: str, seq_len: int, meta: dic
 RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj.weight", "experts.down_proj")
 
 
-def scale_residual_init(model):
+def scale_residual_init(model, within: str = ""):
     """Draw the weights that write into the residual stream again, with std initializer_range / sqrt(2 x layers):
     each layer adds two such outputs to the residual stream, which the scale keeps from growing with depth (GPT-2's
     and Megatron-LM's scaled init, OPT's). transformers draws every weight with std initializer_range; DeepSeek's
@@ -205,11 +205,16 @@ def scale_residual_init(model):
     bench/vs_nanogpt.py (`mini`, 300 steps of 16 x 128 tokens, seed 0): validation loss at peak LR 1e-3 / 2e-3 5.423 /
     5.444 before (commit 2895f3a), 5.089 / 5.084 with it; nanoGPT, which scales the same way, 5.381 / 5.328.
     Under ZeRO-3 (zero.Init: each rank holds a shard) each weight is gathered whole, drawn on rank 0 and scattered
-    back, as transformers' initialize_weights_zero3 draws the others. Returns the model."""
+    back, as transformers' initialize_weights_zero3 draws the others. `within`: only the weights under that name prefix
+    (mtp.attach's modules; by default the MTP modules, built later, are left out). Returns the model."""
     import torch
 
     std = model.config.initializer_range / math.sqrt(2 * model.config.num_hidden_layers)
-    weights = [p for name, p in model.named_parameters() if name.endswith(RESIDUAL_OUTPUTS)]
+    weights = [
+        p
+        for name, p in model.named_parameters()
+        if name.endswith(RESIDUAL_OUTPUTS) and name.startswith(within) and (within or not name.startswith("mtp."))
+    ]
     for weight in weights:
         if hasattr(weight, "ds_id"):  # partitioned by zero.Init
             import deepspeed

@@ -103,7 +103,7 @@ def with_strategy(launch: Launch, s: Strategy, grad_accum_steps: int) -> Launch:
 
 
 def memory_plan(c, launch: Launch, micro_batch_size: int, seq_len: int, gradient_checkpointing: bool, attn: str,
-                loss_chunk_tokens: int = 0) -> dict:  # fmt: skip
+                loss_chunk_tokens: int = 0, mtp_depth: int = 0) -> dict:  # fmt: skip
     """Bytes per GPU (and per process in host RAM and on NVMe) of one training process, by component.
 
     Model states, mixed precision with Adam (fp32 in brackets), P parameters over n processes:
@@ -121,14 +121,15 @@ def memory_plan(c, launch: Launch, micro_batch_size: int, seq_len: int, gradient
     q, k, v, rotated q and k, attention output (4h + 3 kv), MLP input, gate, up, SiLU and product (h + 4 ffn), plus
     2 a s for eager attention's score matrices; MLA and MoE layers as activations_per_token says. Checkpointing
     keeps each layer's input and recomputes one layer at a time. The loss: loss_bytes (the whole logits, or one chunk).
+    MTP modules (mtp_depth): their parameters, each block's activations as one more layer, each depth's loss.
     """
-    counts = param_counts(c)
+    counts = param_counts(c, mtp_depth)
     p, n, stage = counts["total"], launch.world_size, launch.zero_stage
     half = launch.precision in ("fp16", "bf16")
     param_b, grad_b, optim_b = (2, 2, 12) if half else (4, 4, 8)
     act_b = 2 if half else 4
     s, b = seq_len, micro_batch_size
-    per_layer = [s * b * values * act_b for values in model_math.activations_per_token(c, s, attn)]
+    per_layer = [s * b * values * act_b for values in model_math.activations_per_token(c, s, attn, mtp_depth)]
     acts_full = sum(per_layer)
     acts_ckpt = len(per_layer) * s * b * c.hidden_size * act_b + max(per_layer)
     offload_opt = launch.offload_optimizer != "none"
@@ -152,7 +153,7 @@ def memory_plan(c, launch: Launch, micro_batch_size: int, seq_len: int, gradient
     gpu = {
         **states,
         "activations": acts_ckpt if gradient_checkpointing else acts_full,
-        "loss": loss_bytes(s * b, c.vocab_size, c.hidden_size, act_b, loss_chunk_tokens),
+        "loss": loss_bytes(s * b, c.vocab_size, c.hidden_size, act_b, loss_chunk_tokens, mtp_depth),
     }
     # ZeRO-Infinity pins buffer_count (4) fp32 buffers of its largest sub-group (sub_group_size, 1e9, or the shard).
     swap_buffers = 4 * min(NVME_SUB_GROUP, p / n) * 4
@@ -172,17 +173,19 @@ def memory_plan(c, launch: Launch, micro_batch_size: int, seq_len: int, gradient
     }
 
 
-def loss_bytes(tokens: int, vocab: int, hidden: int, act_b: int, chunk_tokens: int) -> int:
+def loss_bytes(tokens: int, vocab: int, hidden: int, act_b: int, chunk_tokens: int, mtp_depth: int = 0) -> int:
     """Peak bytes of the loss over the output layer in a micro-step of `tokens` tokens (lmloss.model_nll).
 
     Full logits (chunk_tokens 0): the logits in the activations' dtype, their fp32 log-softmax and its fp32 gradient.
     In chunks: one chunk's fp32 logits (beside its 16-bit matmul result in mixed precision), the last one kept for
     backward and the others recomputed there (the same peak: backward starts with the loss), plus the fp32
-    accumulator of the output weight's gradient and one fp32 log-sum-exp per token."""
+    accumulator of the output weight's gradient and one fp32 log-sum-exp per token. Each MTP depth's loss keeps its
+    own last chunk (all its logits without chunks) and log-sum-exps until backward."""
+    rows = min(chunk_tokens, tokens) if chunk_tokens else tokens
+    depths = mtp_depth * (rows * vocab * 4 + tokens * 4)
     if chunk_tokens == 0:
-        return tokens * vocab * (act_b + 4 + 4)
-    rows = min(chunk_tokens, tokens)
-    return rows * vocab * (4 + (act_b if act_b < 4 else 0)) + vocab * hidden * 4 + tokens * 4
+        return tokens * vocab * (act_b + 4 + 4) + depths
+    return rows * vocab * (4 + (act_b if act_b < 4 else 0)) + vocab * hidden * 4 + tokens * 4 + depths
 
 
 def deepspeed_estimate(counts: dict, launch: Launch) -> tuple[int, int]:
@@ -269,7 +272,7 @@ def step_costs(c, cfg, launch: Launch, micro_batch_size: int, machine: Machine, 
     attention, loss path) under `launch` at a micro-batch; `fits` and, when it does not, `why`."""
     mem = memory_plan(
         c, launch, micro_batch_size, cfg.seq_len, cfg.gradient_checkpointing, cfg.attn_implementation,
-        cfg.loss_chunk_tokens,
+        cfg.loss_chunk_tokens, model_math.mtp_depth(cfg, c),
     )  # fmt: skip
     counts = mem["params"]
     ds_host, ds_gpu = deepspeed_estimate(counts, launch)
@@ -279,7 +282,8 @@ def step_costs(c, cfg, launch: Launch, micro_batch_size: int, machine: Machine, 
     tokens = micro_batch_size * launch.grad_accum_steps * launch.world_size * cfg.seq_len
     recompute = 4 / 3 if cfg.gradient_checkpointing else 1.0  # one more forward of every layer
     compute_s = (
-        model_flops_per_token(c, cfg.seq_len) * tokens * recompute / (launch.world_size * machine.flops_per_device)
+        model_flops_per_token(c, cfg.seq_len, model_math.mtp_depth(cfg, c)) * tokens * recompute
+        / (launch.world_size * machine.flops_per_device)
     )
     adam_s = 0.0
     if launch.offload_optimizer != "none":
@@ -381,16 +385,18 @@ def plan_report(cfg, c, launch: Launch, machine: Machine, base: float, steps: in
     costs = step_costs(c, cfg, launch, cfg.micro_batch_size, machine, base)
     mem, moved = costs["mem"], costs["traffic"]
     counts, gpu = mem["params"], mem["gpu"]
-    flops_tok = model_flops_per_token(c, cfg.seq_len)
+    depth = model_math.mtp_depth(cfg, c)
+    flops_tok = model_flops_per_token(c, cfg.seq_len, depth)
     where = "device" if launch.gpu else "process"
     full_loss = memory_plan(c, launch, cfg.micro_batch_size, cfg.seq_len, cfg.gradient_checkpointing,
-                            cfg.attn_implementation, 0)["gpu"]["loss"]  # fmt: skip
+                            cfg.attn_implementation, 0, depth)["gpu"]["loss"]  # fmt: skip
     loss_path = f"chunks of {cfg.loss_chunk_tokens} tokens; full logits: {full_loss / GIB:.2f}"
     checkpointing = "on" if cfg.gradient_checkpointing else "off"
     lines = [
         (
             f"plan: {counts['total'] / 1e6:,.1f}M parameters ({counts['non_embedding'] / 1e6:,.1f}M non-embedding, "
             + (f"{counts['activated'] / 1e6:,.1f}M activated per token, " if is_moe(c) else "")
+            + (f"{counts['mtp'] / 1e6:,.1f}M in MTP modules (--mtp_depth {depth}), " if counts["mtp"] else "")
             + f"largest tensor {counts['largest_tensor'] / 1e6:.1f}M), {flops_tok / 1e9:.2f} GFLOP/token, "
             f"vocab {c.vocab_size}; {world} processes on {nodes} machine(s), {launch.precision}, "
             f"{strategy_name(launch)}"

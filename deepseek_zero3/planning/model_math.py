@@ -28,7 +28,8 @@ def llama_param_counts(c) -> dict:
     embed = v * h
     head = 0 if c.tie_word_embeddings else v * h
     total = embed + head + n_layers * layer + h
-    return {"total": total, "non_embedding": total - embed, "largest_tensor": max(embed, h * f), "per_layer": layer}
+    return {"total": total, "non_embedding": total - embed, "largest_tensor": max(embed, h * f), "per_layer": layer,
+            "mtp_layer": layer, "mtp_layer_activated": layer}  # fmt: skip
 
 
 def flops_per_token(n_params_non_embedding: int, n_layers: int, hidden_size: int, seq_len: int) -> float:
@@ -38,6 +39,13 @@ def flops_per_token(n_params_non_embedding: int, n_layers: int, hidden_size: int
 
 def is_moe(c) -> bool:
     return getattr(c, "model_type", "") == "deepseek_v3"
+
+
+def mtp_depth(cfg, c) -> int:
+    """The MTP modules a run of train.py's Config (cfg) trains on config c (mtp.depth_of)."""
+    from deepseek_zero3.model.mtp import depth_of
+
+    return depth_of(getattr(cfg, "mtp_depth", -1), c)
 
 
 def deepseek_v3_param_counts(c) -> dict:
@@ -70,33 +78,54 @@ def deepseek_v3_param_counts(c) -> dict:
         "activated": activated,
         "activated_non_embedding": activated - embed,
         "largest_tensor": largest,
+        "mtp_layer": attention + moe_total,  # an MTP module's block: a MoE layer (its index is past the dense ones)
+        "mtp_layer_activated": attention + moe_active,
     }
 
 
-def param_counts(c) -> dict:
-    """total, non_embedding, activated (per token), activated_non_embedding and largest_tensor of a model config."""
-    if is_moe(c):
-        return deepseek_v3_param_counts(c)
-    counts = llama_param_counts(c)
-    return {**counts, "activated": counts["total"], "activated_non_embedding": counts["non_embedding"]}
+def param_counts(c, mtp_depth: int = 0) -> dict:
+    """total, non_embedding, activated (per token), activated_non_embedding and largest_tensor of a model config, with
+    `mtp_depth` MTP modules (mtp.py: each its block, eh_proj and three norms; the embedding and head are the main
+    model's), whose parameters are also counted alone as `mtp`."""
+    counts = deepseek_v3_param_counts(c) if is_moe(c) else llama_param_counts(c)
+    counts.setdefault("activated", counts["total"])
+    counts.setdefault("activated_non_embedding", counts["non_embedding"])
+    h = c.hidden_size
+    own = 2 * h * h + 3 * h
+    counts["mtp"] = mtp_depth * (counts.pop("mtp_layer") + own)
+    activated = mtp_depth * (counts.pop("mtp_layer_activated") + own)
+    for key in ("total", "non_embedding"):
+        counts[key] += counts["mtp"]
+    for key in ("activated", "activated_non_embedding"):
+        counts[key] += activated
+    return counts
 
 
-def model_flops_per_token(c, seq_len: int) -> float:
+def model_flops_per_token(c, seq_len: int, mtp_depth: int = 0) -> float:
     """Training FLOPs per token of a config: 6 x activated non-embedding parameters (a MoE layer counts only the
     experts a token goes to) + 6 L T x the attention's query-key and value widths (12 L H T for Llama; MLA's
-    per-head query-key width is qk_nope + qk_rope, its value width v_head_dim)."""
-    counts = param_counts(c)
+    per-head query-key width is qk_nope + qk_rope, its value width v_head_dim). Each MTP module adds its block as one
+    more layer and one more use of the output layer (the head's vocab x hidden matmul, per depth)."""
+    counts = param_counts(c, mtp_depth)
     if is_moe(c):
         widths = c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
     else:
         widths = 2 * c.hidden_size
-    return 6 * counts["activated_non_embedding"] + 6 * c.num_hidden_layers * seq_len * widths
+    layers = c.num_hidden_layers + mtp_depth
+    heads = mtp_depth * c.vocab_size * c.hidden_size
+    return 6 * (counts["activated_non_embedding"] + heads) + 6 * layers * seq_len * widths
 
 
-def activations_per_token(c, seq_len: int, attn: str) -> list[int]:
+def activations_per_token(c, seq_len: int, attn: str, mtp_depth: int = 0) -> list[int]:
     """Values saved for backward per token, layer by layer (see memory_plan). DeepSeek-V3 layers: the two norm
     inputs, attention input, q and rotated q, the compressed kv, expanded k and v, attention output (MLA), then the
-    MLP input and gate, up, SiLU and product of every expert the token goes to, and the router's scores."""
+    MLP input and gate, up, SiLU and product of every expert the token goes to, and the router's scores. An MTP
+    module: its block as the last layer's, and its embedding, two norms' inputs and projection input (5 h)."""
+    layers = _layer_activations(c, seq_len, attn)
+    return layers + [layers[-1] + 5 * c.hidden_size] * mtp_depth
+
+
+def _layer_activations(c, seq_len: int, attn: str) -> list[int]:
     h, a = c.hidden_size, c.num_attention_heads
     eager = 2 * a * seq_len if attn == "eager" else 0
     if not is_moe(c):

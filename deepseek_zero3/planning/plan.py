@@ -80,8 +80,10 @@ def plan_run(run, accelerator) -> RunPlan:
             "the plan above does not fit this machine's GPU memory or host RAM; follow its advice where it gives "
             "one, lower --micro_batch_size or --seq_len, or pass --ignore_memory_plan to try anyway"
         )
-    counts = model_math.param_counts(run.model_config)
-    return RunPlan(counts, model_math.model_flops_per_token(run.model_config, cfg.seq_len), peak_flops, peak_source)
+    depth = model_math.mtp_depth(cfg, run.model_config)
+    counts = model_math.param_counts(run.model_config, depth)
+    flops = model_math.model_flops_per_token(run.model_config, cfg.seq_len, depth)
+    return RunPlan(counts, flops, peak_flops, peak_source)
 
 
 def source_passes(run) -> str:
@@ -95,6 +97,26 @@ def source_passes(run) -> str:
         + ("" if num_windows(len(s.val_tokens), run.batch.seq_len) else unvalidated)
         for s, w, n in zip(run.data.sources, run.data.weights, given)
     )
+
+
+def plan_on_paper(cfg, check_flags) -> int:
+    """`train.py --plan [--compare]` (cfg: its Config, checked by its check_flags): the plan of a config on paper, with
+    the data's vocabulary where the data is prepared. Returns the exit code."""
+    from pathlib import Path
+
+    from deepseek_zero3 import cli
+    from deepseek_zero3.model import models
+    from deepseek_zero3.tokens import token_data
+
+    try:
+        check_flags(cfg)
+        first = Path((token_data.data_dirs(cfg.data_dir) or [""])[0])  # its vocabulary size, shared by all
+        meta = token_data.read_meta(first) if (first / "meta.json").is_file() else None
+        print_plan(cfg, models.load_model_config(cfg.model_config, cfg.init_from, cfg.seq_len, meta))
+    except (OSError, KeyError, UserError) as e:
+        cli.print_error(str(e))
+        return 2
+    return 0
 
 
 def print_plan(cfg, model_config) -> None:

@@ -3,6 +3,7 @@ a model-index of the validation results, read by huggingface_hub's ModelCard), f
 records of OUT/metrics.jsonl (every segment of a resumed run: the tokens are the last record's, counted from step 1),
 the run's settings and its model config. eval.py --update_card adds its own report's scores to the same card.
 
+    finish       a finished run's last work (train.py): final/ exported, its card, the loss curve, the upload
     write_card   the card of a finished run (train.py, after the export)
     add_eval     eval.py's report into a card (eval.py --update_card)
 """
@@ -281,3 +282,32 @@ def push_final(final: Path, repo: str, step: int, api=None) -> str | None:
         return None
     print(f"pushed {final} to the Hub: {url}")
     return url
+
+
+def finish(run, parts) -> int:
+    """After the last step's checkpoint: OUT/final with its card, the loss curve, and what the finished run no longer
+    needs; --push_to_hub uploads final/ (run, parts: train.py's Run and Parts). Returns the exit code (3: the upload
+    failed, the model is on disk)."""
+    from deepseek_zero3.run_dir import checkpoint, metrics
+
+    accelerator, out = parts.accelerator, Path(run.cfg.output_dir)
+    again = run.resume is not None and run.resume.state["step"] >= run.total_steps  # a finished run launched again
+    kept = kept_card(out / "final") if again and accelerator.is_main_process else None
+    final = checkpoint.export_final(accelerator, parts.model, run.tokenizer, out)
+    if parts.finaliser:
+        removed = checkpoint.remove_leftovers(out / "checkpoints", finished=True)
+        if removed:
+            print(f"removed from {out / 'checkpoints'}, no longer needed by the finished run: {', '.join(removed)}")
+    if accelerator.is_main_process:
+        metrics.plot_losses(out / "metrics.jsonl", out / "loss_curve.png")
+        records = metrics.read_metrics(out / "metrics.jsonl")[0]
+        save(final, kept) if kept is not None else write_card(final, run, records)
+        accelerator.print(
+            f"done: model and its card (README.md) in {final}, loss curve in {out / 'loss_curve.png'}, metrics in "
+            f"{out / 'metrics.jsonl'}"
+        )
+    pushed = ""
+    if accelerator.is_main_process and run.cfg.push_to_hub:
+        pushed = push_final(final, run.cfg.push_to_hub, run.total_steps)
+    parts.trackers.end_training()
+    return 3 if pushed is None else 0

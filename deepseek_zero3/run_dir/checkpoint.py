@@ -10,6 +10,7 @@ A kill at any moment leaves the last complete checkpoint as it was.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import errno
 import hashlib
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 
 from deepseek_zero3.cli import UserError, fault, remove, replace_dir, write_atomic, write_json_atomic
-from deepseek_zero3.model import models
+from deepseek_zero3.model import models, mtp
 
 # Settings that change what a run reports or where it reads and writes, not what it trains: free to change on resume.
 # data_mix as written: the weights it gives are in the run's identity.
@@ -36,11 +37,12 @@ RESUME_CHANGEABLE = {
 # What the run's own messages advise after a divergence or a hang: a resume may change them, and metrics.jsonl records
 # the change at that step. (Weight decay, betas and epsilon are not among them: the checkpoint's optimizer state
 # brings its own back.)
-RESUME_RETUNABLE = {"lr", "min_lr_ratio", "warmup_steps", "max_grad_norm", "step_timeout_s", "max_skipped_steps"}
+RESUME_RETUNABLE = {"lr", "min_lr_ratio", "warmup_steps", "max_grad_norm", "step_timeout_s", "max_skipped_steps",
+                    "mtp_loss_weight"}  # fmt: skip
 # The LR schedule's length; changing it on resume needs --lr_decay_steps or --decay_branch (schedule.replan).
 SCHEDULE_LENGTH = {"max_steps", "num_epochs", "lr_decay_steps"}
 # What a checkpoint saved before a setting existed ran with, where that is not the setting's default now.
-BEFORE_THE_FIELD = {"document_masking": False, "lr_schedule": "cosine"}
+BEFORE_THE_FIELD = {"document_masking": False, "lr_schedule": "cosine", "mtp_depth": 0}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -540,14 +542,26 @@ def load_checkpoint(run, parts, universal: Path | None = None) -> None:
 
 
 def export_final(accelerator, model, tokenizer, out_dir: Path) -> Path:
-    """OUT/final: a plain Hugging Face model directory, weights gathered from the ZeRO-3 shards."""
+    """OUT/final: a plain Hugging Face model directory of the main network, weights gathered from the ZeRO-3 shards;
+    MTP modules beside it in mtp.safetensors (DeepSeek-V3's layout: mtp.export_weights), their number in a DeepSeek-V3
+    config's num_nextn_predict_layers."""
+    from safetensors.torch import save_file
+
     state_dict = accelerator.get_state_dict(model)  # collective: every rank takes part
     final, tmp = out_dir / "final", out_dir / ".tmp-final"
     try:
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
             fault("fsize_in_export", accelerator.process_index, 0)
-            accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+            unwrapped = accelerator.unwrap_model(model)
+            main, own = mtp.split_state_dict(state_dict)
+            saved_config = copy.deepcopy(unwrapped.config)
+            if hasattr(saved_config, "num_mtp_layers"):  # transformers' name for it; 1 unless set
+                saved_config.num_mtp_layers = len(mtp.modules_of(unwrapped) or [])
+            unwrapped.save_pretrained(tmp, state_dict=main, safe_serialization=True)
+            saved_config.save_pretrained(tmp)
+            if own:
+                save_file(mtp.export_weights(unwrapped, state_dict), tmp / mtp.EXPORT_FILE, {"format": "pt"})
             tokenizer.save_pretrained(tmp)
             replace_dir(tmp, final)
         accelerator.wait_for_everyone()

@@ -37,8 +37,8 @@ def peak_memory_gib(device: torch.device) -> float:
 @dataclasses.dataclass
 class Interval:
     """The steps since the last log line: how many, the summed loss of those not skipped (a tensor on this process's
-    device until the log step reduces it) and how many those were, and their training time (pauses for validation
-    and checkpoints excluded)."""
+    device until the log step reduces it: the main loss, then each MTP depth's) and how many those were, and their
+    training time (pauses for validation and checkpoints excluded)."""
 
     steps: int = 0
     loss_sum: torch.Tensor | float = 0.0
@@ -60,6 +60,7 @@ def metrics_record(run, parts, step: int, interval: Interval, last: dict) -> dic
     Loss and memory are over all processes."""
     accelerator = parts.accelerator
     loss_sum = accelerator.reduce(torch.as_tensor(interval.loss_sum, device=accelerator.device).float(), "sum")
+    loss_sum = loss_sum.reshape(-1) / (interval.counted * accelerator.num_processes) if interval.counted else None
     tokens_per_s = interval.steps * run.batch.tokens_per_step / (time.perf_counter() - interval.t0)
     mem = float(
         accelerator.gather(torch.tensor([peak_memory_gib(accelerator.device)], device=accelerator.device)).max()
@@ -67,7 +68,8 @@ def metrics_record(run, parts, step: int, interval: Interval, last: dict) -> dic
     record = {
         "step": step,
         "tokens": step * run.batch.tokens_per_step,
-        "loss": float(loss_sum) / (interval.counted * accelerator.num_processes) if interval.counted else float("nan"),
+        "loss": float(loss_sum[0]) if loss_sum is not None else float("nan"),
+        **{f"mtp_loss_{k}": float(loss_sum[k]) for k in range(1, len(loss_sum) if loss_sum is not None else 0)},
         **last,
         "tokens_per_s": tokens_per_s,
         "mfu": model_math.mfu(tokens_per_s, parts.planned.flops_per_token, parts.planned.peak_flops),
@@ -111,20 +113,29 @@ def validation_metrics(sources, weights, losses: dict[str, float]) -> dict:
     return record
 
 
-def validation_record(run, step: int, losses: dict[str, float]) -> tuple[dict, str]:
-    """The record (validation_metrics) and console line of a validation at `step`."""
+def validation_record(run, step: int, losses: dict[str, list[float]]) -> tuple[dict, str]:
+    """The record (validation_metrics) and console line of a validation at `step`; losses: each source's main loss,
+    then its MTP depths' (`val_mtp_loss_k`, the sources weighted as for val_loss)."""
     record = {"step": step, "tokens": step * run.batch.tokens_per_step}
-    record.update(validation_metrics(run.data.sources, run.data.weights, losses))
+    record.update(validation_metrics(run.data.sources, run.data.weights, {n: v[0] for n, v in losses.items()}))
+    for k in range(1, len(next(iter(losses.values()), [0]))):
+        depth = validation_metrics(run.data.sources, run.data.weights, {n: v[k] for n, v in losses.items()})
+        record[f"val_mtp_loss_{k}"] = depth["val_loss"]
+        record.update({f"val_mtp_loss_{k}/{n}": v for n, v in [(n, depth.get(f"val_loss/{n}")) for n in losses] if v})
     console = f"step {step} | val loss {record['val_loss']:.4f} | val ppl {record['val_ppl']:.2f}"
     console += f" | val bpb {record['val_bpb']:.4f}" if "val_bpb" in record else ""
     if len(run.data.sources) > 1:
-        console += "".join(f" | {name} {loss:.4f}" for name, loss in losses.items())
+        console += "".join(f" | {name} {loss[0]:.4f}" for name, loss in losses.items())
+    depths = [(k[13:], v) for k, v in record.items() if k.startswith("val_mtp_loss_") and "/" not in k]
+    console += "".join(f" | MTP {k} {v:.4f}" for k, v in depths)
     return record, console
 
 
 def console_line(r: dict, total_steps: int) -> str:
     return (
-        f"step {r['step']}/{total_steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | grad {r['grad_norm']:.3f} | "
+        f"step {r['step']}/{total_steps} | loss {r['loss']:.4f} | "
+        + "".join(f"MTP {k[9:]} {v:.4f} | " for k, v in r.items() if k.startswith("mtp_loss_"))
+        + f"lr {r['lr']:.2e} | grad {r['grad_norm']:.3f} | "
         f"{r['tokens_per_s']:,.0f} tok/s | MFU {r['mfu']:.1%} | peak mem {r['peak_mem_gib']:.2f} GiB"
         + (f" | scale {r['loss_scale']:.0f}" if r.get("loss_scale") is not None else "")
         + (f" | skipped {r['skipped_steps']}" if r.get("skipped_steps") or "loss_scale" in r else "")
@@ -153,6 +164,8 @@ def plot_losses(metrics_path: Path, png_path: Path) -> None:
     ax = axes[0, 0]
     if train:
         ax.plot(*zip(*train), label="train loss", lw=1)
+    for key in sorted({k for r in records for k in r if k.startswith("mtp_loss_")}):
+        ax.plot(*zip(*[(r["step"], r[key]) for r in records if key in r]), label=f"MTP depth {key[9:]} loss", lw=1)
     if val:
         ax.plot(*zip(*val), "o-", label="validation loss" + (" (mixed)" if sources else ""), ms=4)
     for name in sources:

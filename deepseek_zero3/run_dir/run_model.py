@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from deepseek_zero3.cli import UserError
+from deepseek_zero3.model import mtp
 from deepseek_zero3.run_dir import checkpoint
 from deepseek_zero3.tokens import token_data
 
@@ -147,6 +148,7 @@ def consolidated_model(ckpt: RunCheckpoint, dtype):
             f"--model {ckpt.path}: its ZeRO shards cannot be consolidated ({type(e).__name__}: "
             f"{str(e).splitlines()[0][:200] if str(e) else ''}); pass another checkpoint of the run"
         ) from None
+    state_dict = mtp.split_state_dict(state_dict)[0]  # the main network: eval.py scores it alone
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     return model_class.from_pretrained(
         None, config=config, state_dict=state_dict, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True
