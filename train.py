@@ -252,8 +252,11 @@ def check_flags(cfg: Config) -> None:
                       "moe_bias_update_speed", "moe_aux_loss_alpha", "loss_chunk_tokens", "max_grad_norm",
                       "max_skipped_steps", "decay_branch", "decay_start_step", "mtp_loss_weight")  # fmt: skip
     for name in never_negative:
-        if getattr(cfg, name) < 0:
-            raise UserError(f"--{name} {getattr(cfg, name)} must not be negative")
+        value = getattr(cfg, name)
+        if value < 0:
+            raise UserError(f"--{name} {value} must not be negative")
+        if math.isnan(value) or (math.isinf(value) and name in ("moe_aux_loss_alpha", "mtp_loss_weight")):
+            raise UserError(f"--{name} {value} must be a finite number")  # a weight of the loss, or nan anywhere
     if not -1 <= cfg.mtp_depth < cfg.seq_len:
         raise UserError(f"--mtp_depth {cfg.mtp_depth} must be -1 (the model's default), 0 (off) or a number of modules "
                         f"below --seq_len {cfg.seq_len}")  # fmt: skip
@@ -301,6 +304,7 @@ def check(cfg: Config, given: set[str], accelerator) -> Run:
             models.check_init_from(cfg.init_from, tokenizer, data.meta["eos_id"])
         model_config = models.load_model_config(cfg.model_config, cfg.init_from, cfg.seq_len, data.meta)
     cfg = dataclasses.replace(cfg, mtp_depth=mtp.depth_of(cfg.mtp_depth, model_config))  # -1: the model's own
+    check_flags(cfg)  # the depth resolved is below --seq_len too
     launch = distributed.live_launch(accelerator)
     batch = token_data.BatchPlan(cfg.micro_batch_size, launch.grad_accum_steps, launch.world_size, cfg.seq_len)
     total_steps = token_data.total_steps_for(cfg.max_steps, cfg.num_epochs, data.n_windows, batch.sequences_per_step)
@@ -376,6 +380,8 @@ def build_model(run: Run, accelerator):
         model = models.scale_residual_init(AutoModelForCausalLM.from_config(run.model_config, **model_kwargs))
     if cfg.mtp_depth:  # DeepSeek-V3's MTP modules, fresh also on --init_from (its final/mtp.safetensors is not read)
         mtp.attach(model, cfg.mtp_depth, cfg.seed)
+        if cfg.init_from and (Path(cfg.init_from) / mtp.EXPORT_FILE).is_file() and run.resume is None:
+            accelerator.print(f"note: {Path(cfg.init_from) / mtp.EXPORT_FILE} is not read: the MTP modules start fresh")
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())

@@ -167,6 +167,7 @@ def test_mtp_module_is_exported_in_deepseeks_layout_and_scores_as_trained(moe_re
     config = json.loads((final / "config.json").read_text())
     n = config["num_hidden_layers"]
     assert config["num_nextn_predict_layers"] == 1
+    assert "Multi-token prediction (DeepSeek-V3): 1 module(s)" in (final / "README.md").read_text()  # the card
     with safe_open(final / mtp.EXPORT_FILE, "pt") as f:
         keys = list(f.keys())
     assert all(k.startswith(f"model.layers.{n}.") for k in keys) and f"model.layers.{n}.eh_proj.weight" in keys

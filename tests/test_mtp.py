@@ -184,7 +184,9 @@ def test_flags_and_what_a_resume_keeps():
 
     for cfg, said in ((train.Config(mtp_depth=-2), "--mtp_depth -2 must be -1"),
                       (train.Config(mtp_depth=8, seq_len=8), "below --seq_len 8"),
-                      (train.Config(mtp_loss_weight=-0.1), "--mtp_loss_weight -0.1 must not be negative")):  # fmt: skip
+                      (train.Config(mtp_loss_weight=-0.1), "--mtp_loss_weight -0.1 must not be negative"),
+                      (train.Config(mtp_loss_weight=float("nan")), "--mtp_loss_weight nan must be a finite number"),
+                      (train.Config(mtp_loss_weight=float("inf")), "--mtp_loss_weight inf must be a finite number")):  # fmt: skip
         with pytest.raises(UserError, match=said):
             train.check_flags(cfg)
     before_mtp = {"seq_len": 32, "lr": 1e-3}  # a checkpoint written before the flag: it trained no module
@@ -192,6 +194,8 @@ def test_flags_and_what_a_resume_keeps():
     assert cfg.mtp_depth == 0 and taken["mtp_depth"] == 0
     with pytest.raises(UserError, match="trained with --mtp_depth 0, this command gives --mtp_depth 1"):
         checkpoint.config_for_resume(train.Config(mtp_depth=1), {"mtp_depth"}, before_mtp)
+    # --mtp_depth -1 given again (the command the run printed when stopped) means the run's own, resolved depth
+    assert checkpoint.config_for_resume(train.Config(), {"mtp_depth"}, {"mtp_depth": 1})[0].mtp_depth == 1
     _, _, changed = checkpoint.config_for_resume(train.Config(mtp_loss_weight=0.1), {"mtp_loss_weight"},
                                                  {"mtp_depth": 1, "mtp_loss_weight": 0.3})  # fmt: skip
     assert changed == {"mtp_loss_weight": [0.3, 0.1]}  # DeepSeek-V3's lambda late in training
@@ -205,3 +209,41 @@ def test_half_precision_weights_train_the_modules():
     assert losses.dtype == torch.float32 and torch.isfinite(losses).all()
     mtp.objective(losses, 0.3).backward()
     assert mtp.modules_of(model)[0].eh_proj.weight.grad.abs().sum() > 0
+
+
+def test_depths_chain_the_block_output_and_a_depth_without_targets_adds_nothing():
+    """Depth 2 reads depth 1's block output before its post_norm (the report's h^1; vLLM's DeepSeek MTP chains its
+    drafts so): transformers' MtpLayer with its post_norm switched off gives that state. A step whose documents are
+    too short for depth 2 scores nothing there: its share is 0, not inf x 0."""
+    model = build("deepseek-v3-tiny", 2).train()
+    torch.manual_seed(2)
+    inputs = torch.randint(1, 512, (2, 16))
+    targets = torch.randint(1, 512, (2, 16))
+    losses = train.lm_loss(model, (inputs, targets, None), train.Config(mtp_depth=2))
+    (ahead1, _), (ahead2, target2) = mtp.depth_targets(inputs, targets, None, 2)
+    positions = torch.arange(16)[None]
+    with torch.no_grad():
+        hidden = model.model(input_ids=inputs, position_ids=positions, use_cache=False).last_hidden_state
+        rotary = model.model.rotary_emb(hidden, positions)
+        first, second = mtp.modules_of(model)
+        first.use_post_norm = False
+        h1 = first(model.get_input_embeddings()(ahead1), hidden, rotary, None, positions, None)
+        h2 = second(model.get_input_embeddings()(ahead2), h1, rotary, None, positions, None)
+    reference = F.cross_entropy(model.lm_head(h2).flatten(0, 1), target2.flatten(), ignore_index=-100)
+    assert float(losses[2].detach()) == pytest.approx(float(reference), rel=1e-5)
+    one_token_documents = torch.tensor([[5, EOS] * 8])
+    batch = (one_token_documents, torch.roll(one_token_documents, -1, 1), torch.tensor([[0, 1] * 8]))
+    scale = mtp.step_scale(batch, 2, micro_batches=1)
+    assert scale[1] == 1.0  # nothing to score at depth 2: clamped, so its summed NLL (0) stays 0
+
+
+def test_models_without_mtp_or_llama_layers_still_score():
+    """model_nll of a GPT-2 (its decoder blocks are `h`, not `layers`): the MTP capture is not built for it."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from deepseek_zero3.model import lmloss
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
+    ids = torch.randint(0, 64, (1, 16))
+    nll, n = lmloss.model_nll(model, ids, ids, 8)
+    assert torch.isfinite(nll) and int(n) == 16

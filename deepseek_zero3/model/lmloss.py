@@ -283,7 +283,7 @@ def model_nll(
         returned = []
         head.forward = loss_forward
         hook = head.register_forward_hook(lambda module, args, output: returned.append(output))
-        capture = mtp.Capture(core)
+        capture = mtp.Capture(core) if mtp_depths else None  # its model has decoder layers (a GPT-2's are `h`)
         try:
             with capture.active() if mtp_depths else contextlib.nullcontext():
                 logits = model(input_ids=inputs, position_ids=position_ids, use_cache=False).logits

@@ -5,13 +5,14 @@ D modules in sequence. Module k (1..D) combines, at each position i, the previou
 the token k ahead, t_{i+k}, runs one transformer block and predicts t_{i+k+1} with the main model's output layer
 (eq. 21-23):
 
-    h'^k_i = M_k [RMSNorm(Emb(t_{i+k})); RMSNorm(h^{k-1}_i)]      h^k = RMSNorm(TRM_k(h'^k))      P^k = OutHead(h^k)
+    h'^k_i = M_k [RMSNorm(Emb(t_{i+k})); RMSNorm(h^{k-1}_i)]      h^k = TRM_k(h'^k)      P^k = OutHead(RMSNorm(h^k))
 
 Each module is transformers' own MtpLayer (enorm, hnorm, eh_proj, a decoder layer of the model's class as mtp_block,
 post_norm: DeepSeek's shared_head.norm), the layer transformers builds to draft tokens from DeepSeek-V3's released
 MTP weights; the embedding and output layer are the main model's tensors, not copies. Its block is the model's own
 kind: MLA + MoE for DeepSeek-V3 (its index is past first_k_dense_replace), Llama's for a Llama. The loss of depth k is
-the mean NLL of its scored targets, and the objective is the main loss + lambda / D x the sum over depths (eq. 24-25).
+the mean NLL over the scored targets of the step's global batch (step_scale), and the objective is the main loss +
+lambda / D x the sum over depths (eq. 24-25).
 
 The modules live at `model.mtp` (a ModuleList), so ZeRO-3 partitions them and checkpoints carry them. The export keeps
 them out of final/ (a plain model of the main network) and writes them beside it to final/mtp.safetensors in
@@ -101,7 +102,7 @@ def step_scale(batch: tuple, depth: int, micro_batches: int) -> torch.Tensor:
     batch's mean per scored target whatever the number of processes: with document masking, sequences score different
     numbers of targets, so a mean of each micro-batch's own means would depend on how the batch is split."""
     scored = torch.stack([(t != -100).sum() for _, t in depth_targets(*batch, depth)])
-    return micro_batches / scored.double()
+    return micro_batches / scored.double().clamp(min=1)  # a depth with nothing to score (tiny documents) adds 0
 
 
 class Capture:
@@ -127,11 +128,16 @@ class Capture:
 
 def run_depths(model, capture: Capture, hidden: torch.Tensor, depths, nll) -> list[torch.Tensor]:
     """The summed NLL of each depth (nll(hidden states, targets), the main loss's function), run inside the output
-    layer's call, on the hidden states it received: under ZeRO-3 its weight is gathered there."""
+    layer's call, on the hidden states it received: under ZeRO-3 its weight is gathered there.
+
+    MtpLayer's own forward, in its parts: the next depth reads the block's output before post_norm (the report's
+    h^k = TRM_k(h'^k), with the norm part of the output head, DeepSeek's shared_head.norm, as vLLM's DeepSeek MTP
+    layer chains its drafts); transformers' MtpModel hands on the normed state instead. One depth: the same."""
     embed, totals = model.get_input_embeddings(), []
     for module, (ahead, target) in zip(modules_of(model), depths):
-        hidden = module(embed(ahead), hidden, cache=None, **capture.kwargs)
-        totals.append(nll(hidden, target))
+        joined = torch.cat([module.enorm(embed(ahead)), module.hnorm(hidden)], dim=-1)
+        hidden = module.mtp_block(module.eh_proj(joined), cache=None, **capture.kwargs)
+        totals.append(nll(module.post_norm(hidden), target))
     return totals
 
 

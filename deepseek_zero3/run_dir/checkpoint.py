@@ -43,6 +43,8 @@ RESUME_RETUNABLE = {"lr", "min_lr_ratio", "warmup_steps", "max_grad_norm", "step
 SCHEDULE_LENGTH = {"max_steps", "num_epochs", "lr_decay_steps"}
 # What a checkpoint saved before a setting existed ran with, where that is not the setting's default now.
 BEFORE_THE_FIELD = {"document_masking": False, "lr_schedule": "cosine", "mtp_depth": 0}
+# Flag values a run resolves and saves resolved (-1: the model's own depth): given again, they mean the run's own.
+RESOLVED_BY_THE_RUN = {("mtp_depth", -1)}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -128,7 +130,7 @@ def config_for_resume(cfg, given: set[str], saved: dict):
         if f.name not in saved or f.name in ("output_dir", "resume", "plan"):
             continue
         ours = getattr(cfg, f.name)
-        if f.name not in given:
+        if f.name not in given or (f.name, ours) in RESOLVED_BY_THE_RUN:
             if saved[f.name] != ours:
                 taken[f.name] = saved[f.name]
         elif ours != saved[f.name] and f.name in RESUME_RETUNABLE:
