@@ -182,13 +182,13 @@ def test_flags_and_what_a_resume_keeps():
     from deepseek_zero3.cli import UserError
     from deepseek_zero3.run_dir import checkpoint
 
-    for cfg, said in ((train.Config(mtp_depth=-2), "--mtp_depth -2 must be -1"),
-                      (train.Config(mtp_depth=8, seq_len=8), "below --seq_len 8"),
-                      (train.Config(mtp_loss_weight=-0.1), "--mtp_loss_weight -0.1 must not be negative"),
-                      (train.Config(mtp_loss_weight=float("nan")), "--mtp_loss_weight nan must be a finite number"),
-                      (train.Config(mtp_loss_weight=float("inf")), "--mtp_loss_weight inf must be a finite number")):  # fmt: skip
+    refused = [({"mtp_depth": -2}, "--mtp_depth -2 must be -1"), ({"mtp_depth": 8, "seq_len": 8}, "below --seq_len 8"),
+               ({"mtp_loss_weight": -0.1}, "--mtp_loss_weight -0.1 must not be negative"),
+               ({"mtp_loss_weight": float("nan")}, "--mtp_loss_weight nan must be a finite number"),
+               ({"mtp_loss_weight": float("inf")}, "--mtp_loss_weight inf must be a finite number")]  # fmt: skip
+    for flags, said in refused:
         with pytest.raises(UserError, match=said):
-            train.check_flags(cfg)
+            train.check_flags(train.Config(**flags))
     before_mtp = {"seq_len": 32, "lr": 1e-3}  # a checkpoint written before the flag: it trained no module
     cfg, taken, _ = checkpoint.config_for_resume(train.Config(), set(), before_mtp)
     assert cfg.mtp_depth == 0 and taken["mtp_depth"] == 0

@@ -68,6 +68,16 @@ def _results(val: dict, dataset: str) -> list:
     return results
 
 
+def mtp_line(cfg) -> str:
+    """The card's line on the run's MTP modules (train.py --mtp_depth), or nothing."""
+    depth = getattr(cfg, "mtp_depth", 0)
+    if depth <= 0:
+        return ""
+    return (f"\n- Multi-token prediction (DeepSeek-V3): {depth} module(s) trained beside the model, loss weight "
+            f"{cfg.mtp_loss_weight}; not part of this model, they are in `mtp.safetensors` beside it in DeepSeek-V3's "
+            "layout (decoder layer num_hidden_layers + k - 1); `val_mtp_loss_k` is module k's loss.")  # fmt: skip
+
+
 def write_card(final: Path, run, records: list[dict]) -> Path:
     """final/README.md for `run` (train.py's Run), atomically. records: OUT/metrics.jsonl's."""
     from huggingface_hub import ModelCard, ModelCardData
@@ -99,12 +109,7 @@ def write_card(final: Path, run, records: list[dict]) -> Path:
     skipped = last.get("skipped_steps", 0)
     branch = (f"\n- A decay branch: the run's schedule until step {cfg.decay_start_step}, then {cfg.decay_branch} "
               "steps of decay (train.py --decay_branch; its first launch counts as a resume)."
-              if cfg.decay_start_step else "")  # fmt: skip
-    depth = getattr(cfg, "mtp_depth", 0)
-    branch += (f"\n- Multi-token prediction (DeepSeek-V3): {depth} module(s) trained beside the model, loss weight "
-               f"{cfg.mtp_loss_weight}; not part of this model, they are in `mtp.safetensors` beside it in "
-               "DeepSeek-V3's layout (decoder layer num_hidden_layers + k - 1); `val_mtp_loss_k` is module k's loss."
-               if depth > 0 else "")  # fmt: skip
+              if cfg.decay_start_step else "") + mtp_line(cfg)  # fmt: skip
     where = json.dumps(cfg.push_to_hub or "path/to/final")  # the Hub repo it is pushed to, else this directory
     body = f"""
 # {name}
