@@ -27,6 +27,7 @@ ORDER = [
     "vs_nanogpt",
     "schedules",
     "mtp",
+    "mtp_seed1",
 ]
 # (result, what, key, target): a ratio is "at least" its target; a negative target -t means "at most" t.
 SUMMARY = [
@@ -126,6 +127,12 @@ SUMMARY = [
     (
         "mtp",
         "main validation loss with one MTP module / without, `deepseek-v3-mini`, same tokens (614,400), 1 CPU process",
+        "val_loss_ratio_with_over_without",
+        -1.0,
+    ),
+    (
+        "mtp_seed1",
+        "the same with --seed 1 (the main model's initial weights and the data order change)",
         "val_loss_ratio_with_over_without",
         -1.0,
     ),

@@ -1,13 +1,14 @@
 """What DeepSeek-V3's multi-token prediction costs and gives: deepseek-v3-mini trained with and without one MTP module
 on the same tokens, its main validation loss and tokens/s.
 
-    python bench/mtp.py [--data_dir data/python-docs] [--steps 300] [--lr 2e-3]
+    python bench/mtp.py [--data_dir data/python-docs] [--steps 300] [--lr 2e-3] [--seed 0]
 
 Each side trains train.py once from the same seed, as bench/vs_nanogpt.py runs its train.py side (one process, one
 thread, fp32, 16 x 128 tokens a step, AdamW (0.9, 0.95), wd 0.1, clip 1.0, cosine to 0.1 x the peak after --warmup
 steps), with --mtp_depth 1 (lambda 0.3, the report's) or 0; the main model's initial weights are the same on both sides
 (the MTP module draws from a stream of its own). Scored by the main val_loss train.py logs at its last step, over the
-whole validation split, and by the mean tokens/s of the log intervals after the first.
+whole validation split, and by the mean tokens/s of the log intervals after the first. Each --seed is recorded as a
+result of its own (mtp, mtp_seed1, ...): the seed moves the baseline's loss by as much as MTP does.
 """
 
 import argparse
@@ -52,7 +53,7 @@ def main(argv=None) -> None:
     print(f"{args.model_config}, {args.steps} steps of {args.batch} x {args.seq_len} tokens, peak LR {args.lr:g}; "
           f"{machine()}")  # fmt: skip
     record(
-        "mtp",
+        "mtp" if args.seed == 0 else f"mtp_seed{args.seed}",  # each seed its own result
         {
             "model_config": args.model_config,
             "tokens": args.steps * args.batch * args.seq_len,

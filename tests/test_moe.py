@@ -59,6 +59,7 @@ def test_plan_prints_total_and_activated_for_every_moe_preset(capsys):
         assert train.run_plan(cfg) == 0
         out = capsys.readouterr().out
         assert "activated per token" in out and "M parameters" in out, out
+        assert "in MTP modules (--mtp_depth 1)" in out, out  # the v3 presets' default: counted in the plan
 
 
 def test_the_rtx4090_preset_fits_three_cards():
@@ -163,7 +164,13 @@ def test_mtp_module_is_exported_in_deepseeks_layout_and_scores_as_trained(moe_re
     from deepseek_zero3.model import lmloss, mtp
     from deepseek_zero3.tokens import token_data
 
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
     final = moe_ref[0] / "final"
+    shards = get_fp32_state_dict_from_zero_checkpoint(str(moe_ref[0] / "checkpoints" / f"step_{STEPS}"))
+    assert any(k.startswith("mtp.0.") for k in shards)  # the checkpoint carries the module, with one embedding
+    shared = sorted(k for k in shards if k.endswith(("embed_tokens.weight", "lm_head.weight")))
+    assert shared == ["lm_head.weight", "model.embed_tokens.weight"]
     config = json.loads((final / "config.json").read_text())
     n = config["num_hidden_layers"]
     assert config["num_nextn_predict_layers"] == 1

@@ -211,11 +211,12 @@ def test_half_precision_weights_train_the_modules():
     assert mtp.modules_of(model)[0].eh_proj.weight.grad.abs().sum() > 0
 
 
-def test_depths_chain_the_block_output_and_a_depth_without_targets_adds_nothing():
+@pytest.mark.parametrize("preset", ["tiny", "deepseek-v3-tiny"])
+def test_depths_chain_the_block_output_and_a_depth_without_targets_adds_nothing(preset):
     """Depth 2 reads depth 1's block output before its post_norm (the report's h^1; vLLM's DeepSeek MTP chains its
-    drafts so): transformers' MtpLayer with its post_norm switched off gives that state. A step whose documents are
-    too short for depth 2 scores nothing there: its share is 0, not inf x 0."""
-    model = build("deepseek-v3-tiny", 2).train()
+    drafts so): transformers' MtpLayer with its post_norm switched off gives that state; for a Llama's blocks too. A
+    step whose documents are too short for depth 2 scores nothing there: its share is 0, not inf x 0."""
+    model = build(preset, 2).train()
     torch.manual_seed(2)
     inputs = torch.randint(1, 512, (2, 16))
     targets = torch.randint(1, 512, (2, 16))

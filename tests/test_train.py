@@ -142,9 +142,9 @@ def test_resume_is_exact(ref, docs_data, tmp_path):
 def test_validation_loss_falls_and_final_model_loads(trained, docs_data):
     out = trained
     val = [r for r in metrics(out) if "val_loss" in r]
-    assert [r["step"] for r in val] == [0, 30, 60]
-    # 6.25 -> 5.36 measured (two sources, documents masked; python-docs alone, unmasked: a fall of over 1.0)
-    assert val[-1]["val_loss"] < val[0]["val_loss"] - 0.75, val
+    assert [r["step"] for r in val] == [0, 15, 30]
+    # 6.25 -> 5.44 measured in 30 steps (two sources, documents masked; python-docs alone, unmasked: a larger fall)
+    assert val[-1]["val_loss"] < val[0]["val_loss"] - 0.6, val
     assert all(val[-1][f"val_loss/{s}"] < val[0][f"val_loss/{s}"] - 0.3 for s in ("python-docs", "web.jsonl")), val
     assert (out / "loss_curve.png").stat().st_size > 10_000
     assert list(out.rglob("events.out.tfevents.*")), "--log_with tensorboard wrote no event file"
