@@ -206,15 +206,11 @@ def scale_residual_init(model, within: str = ""):
     5.444 before (commit 2895f3a), 5.089 / 5.084 with it; nanoGPT, which scales the same way, 5.381 / 5.328.
     Under ZeRO-3 (zero.Init: each rank holds a shard) each weight is gathered whole, drawn on rank 0 and scattered
     back, as transformers' initialize_weights_zero3 draws the others. `within`: only the weights under that name prefix
-    (mtp.attach's modules; by default the MTP modules, built later, are left out). Returns the model."""
+    (mtp.attach's modules, built after the model's own were drawn). Returns the model."""
     import torch
 
     std = model.config.initializer_range / math.sqrt(2 * model.config.num_hidden_layers)
-    weights = [
-        p
-        for name, p in model.named_parameters()
-        if name.endswith(RESIDUAL_OUTPUTS) and name.startswith(within) and (within or not name.startswith("mtp."))
-    ]
+    weights = [p for name, p in model.named_parameters() if name.endswith(RESIDUAL_OUTPUTS) and name.startswith(within)]
     for weight in weights:
         if hasattr(weight, "ds_id"):  # partitioned by zero.Init
             import deepspeed

@@ -270,9 +270,10 @@ def traffic(counts: dict, launch: Launch, gradient_checkpointing: bool) -> dict:
 def step_costs(c, cfg, launch: Launch, micro_batch_size: int, machine: Machine, base_per_process: float) -> dict:
     """Memory, traffic and seconds per optimizer step of train.py's Config (cfg: sequence length, checkpointing,
     attention, loss path) under `launch` at a micro-batch; `fits` and, when it does not, `why`."""
+    depth = model_math.mtp_depth(cfg, c)
     mem = memory_plan(
         c, launch, micro_batch_size, cfg.seq_len, cfg.gradient_checkpointing, cfg.attn_implementation,
-        cfg.loss_chunk_tokens, model_math.mtp_depth(cfg, c),
+        cfg.loss_chunk_tokens, depth,
     )  # fmt: skip
     counts = mem["params"]
     ds_host, ds_gpu = deepspeed_estimate(counts, launch)
@@ -282,7 +283,7 @@ def step_costs(c, cfg, launch: Launch, micro_batch_size: int, machine: Machine, 
     tokens = micro_batch_size * launch.grad_accum_steps * launch.world_size * cfg.seq_len
     recompute = 4 / 3 if cfg.gradient_checkpointing else 1.0  # one more forward of every layer
     compute_s = (
-        model_flops_per_token(c, cfg.seq_len, model_math.mtp_depth(cfg, c)) * tokens * recompute
+        model_flops_per_token(c, cfg.seq_len, depth) * tokens * recompute
         / (launch.world_size * machine.flops_per_device)
     )
     adam_s = 0.0
