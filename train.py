@@ -36,6 +36,7 @@ from deepseek_zero3.model import models, moe, mtp
 from deepseek_zero3.model.lmloss import DEFAULT_CHUNK_TOKENS, document_positions, loss_path, model_nll
 from deepseek_zero3.model.lmloss import validation_losses
 from deepseek_zero3.planning import plan
+from deepseek_zero3.recipe import optimizer as optimizer_lib
 from deepseek_zero3.recipe.schedule import Schedule, branch_settings, check_schedule_flags, parse_fractions, replan
 from deepseek_zero3.run_dir import card, checkpoint, metrics, reshard, resilience, trackers
 from deepseek_zero3.tokens import token_data
@@ -76,11 +77,15 @@ class Config:
     decay_branch: int = field(0, "decay the LR to its floor over this many steps from the checkpoint given to "
                                  "--resume, then export: a finished model in a new --output_dir, the run left to go on")
     decay_start_step: int = field(0, "the step a decay branch starts at (set by --decay_branch; 0: none)")
+    optimizer: str = field("adamw", "adamw, or muon: Muon for the hidden matrices, AdamW for embedding, head, norms")
+    muon_lr: float = field(0.02, "Muon's peak learning rate (the schedule scales it as it scales --lr)")
+    muon_momentum: float = field(0.95, "Muon's (Nesterov) momentum")
+    muon_weight_decay: float = field(0.0, "Muon's decoupled weight decay")
     weight_decay: float = field(0.1, "AdamW weight decay (2-D weights only)")
     adam_beta1: float = field(0.9, "AdamW beta1")
     adam_beta2: float = field(0.95, "AdamW beta2")
     adam_eps: float = field(1e-8, "AdamW epsilon")
-    max_grad_norm: float = field(1.0, "clip the global gradient norm to this (0: no clipping)")
+    max_grad_norm: float = field(1.0, "clip the global gradient norm to this (0: no clipping; Muon: off)")
     step_timeout_s: float = field(-1, "a step running longer than this is a hang: stacks to OUT/hang-*.txt, exit 3 "
                                       "(-1: 20x the warm step time, at least 5 min; 0: off)")
     max_skipped_steps: int = field(3, "steps in a row skipped for a non-finite loss or gradient norm before the run "
@@ -144,20 +149,10 @@ def schedule_for(cfg: Config, total_steps: int) -> Schedule:
     )  # fmt: skip
 
 
-def make_optimizer(model, cfg: Config):
-    """AdamW with weight decay on 2-D weights only (matrices and embeddings, not norms). With the optimizer offloaded,
-    Accelerate swaps torch's AdamW for DeepSpeed's CPU AdamW; any other optimizer, CPU Adam itself included, it
-    rebuilds as Adam with L2 decay (accelerate's map_pytorch_optim_to_deepspeed)."""
-    # Under zero.Init parameters are flat shards; ds_shape is the real shape.
-    decay = [p for p in model.parameters() if len(getattr(p, "ds_shape", p.shape)) >= 2]
-    no_decay = [p for p in model.parameters() if len(getattr(p, "ds_shape", p.shape)) < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # fused: one kernel per tensor (CPU and CUDA), not a dozen elementwise passes; on a ZeRO-3 partition 7x faster.
-    # Loading a checkpoint's groups (one saved before fused was set) must not turn it off.
-    betas = (cfg.adam_beta1, cfg.adam_beta2)
-    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.adam_eps, fused=True)
-    optimizer.register_load_state_dict_post_hook(lambda opt: [g.update(fused=True) for g in opt.param_groups])
-    return optimizer
+def make_optimizer(model, cfg: Config, accelerator=None):
+    """AdamW, or Muon for the hidden matrices and AdamW for the rest (recipe/optimizer.py: the param groups and which
+    implementation runs)."""
+    return optimizer_lib.make(model, cfg, accelerator)
 
 
 def sample_ids(step: int, micro_step: int, rank: int, batch: token_data.BatchPlan) -> range:
@@ -267,6 +262,7 @@ def check_flags(cfg: Config) -> None:
     if not cfg.lr > 0 or not 0 <= cfg.min_lr_ratio <= 1:
         raise UserError(f"--lr {cfg.lr} must be positive and --min_lr_ratio {cfg.min_lr_ratio} within [0, 1]")
     check_schedule_flags(cfg)
+    optimizer_lib.check(cfg, None)
     if cfg.attn_implementation not in ("sdpa", "eager"):
         raise UserError(f"--attn_implementation {cfg.attn_implementation!r} must be sdpa or eager")
     if 0 < cfg.eval_tokens < cfg.seq_len:
@@ -304,8 +300,10 @@ def check(cfg: Config, given: set[str], accelerator) -> Run:
             models.check_init_from(cfg.init_from, tokenizer, data.meta["eos_id"])
         model_config = models.load_model_config(cfg.model_config, cfg.init_from, cfg.seq_len, data.meta)
     cfg = dataclasses.replace(cfg, mtp_depth=mtp.depth_of(cfg.mtp_depth, model_config))  # -1: the model's own
+    cfg = optimizer_lib.resolve_clipping(cfg, given)
     check_flags(cfg)  # the depth resolved is below --seq_len too
     launch = distributed.live_launch(accelerator)
+    optimizer_lib.check(cfg, launch)
     batch = token_data.BatchPlan(cfg.micro_batch_size, launch.grad_accum_steps, launch.world_size, cfg.seq_len)
     total_steps = token_data.total_steps_for(cfg.max_steps, cfg.num_epochs, data.n_windows, batch.sequences_per_step)
     schedule = schedule_for(cfg, total_steps)
@@ -388,7 +386,8 @@ def build_model(run: Run, accelerator):
     local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
     held = accelerator.gather(torch.tensor([local / n_params], device=accelerator.device)).tolist()
     accelerator.print(f"parameters held per process: {' '.join(f'{h:.1%}' for h in held)}")
-    optimizer = make_optimizer(model, cfg)
+    accelerator.print(optimizer_lib.describe(model, cfg))
+    optimizer = make_optimizer(model, cfg, accelerator)
     if accelerator.state.deepspeed_plugin is not None:
         ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
         ds_config["train_micro_batch_size_per_gpu"] = cfg.micro_batch_size
@@ -491,8 +490,7 @@ def train(cfg: Config, given: set[str]) -> int:
         # backpropagated (not to the loss logged), and its routers' biases move once the step is taken. A skipped
         # step (non-finite loss or gradient norm) leaves weights, optimizer state and the LR schedule where they were.
         lr = run.schedule.lr(step - skips.total)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        optimizer_lib.set_lr(optimizer, lr, cfg)
         loss_sum, grad_norm = torch.zeros(1 + cfg.mtp_depth, device=accelerator.device), None
         scale = mtp_scale(run, step).to(accelerator.device) if cfg.mtp_depth else None
         for micro_step in range(accum):

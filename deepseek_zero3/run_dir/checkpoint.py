@@ -37,7 +37,7 @@ RESUME_CHANGEABLE = {
 # What the run's own messages advise after a divergence or a hang: a resume may change them, and metrics.jsonl records
 # the change at that step. (Weight decay, betas and epsilon are not among them: the checkpoint's optimizer state
 # brings its own back.)
-RESUME_RETUNABLE = {"lr", "min_lr_ratio", "warmup_steps", "max_grad_norm", "step_timeout_s", "max_skipped_steps",
+RESUME_RETUNABLE = {"lr", "muon_lr", "min_lr_ratio", "warmup_steps", "max_grad_norm", "step_timeout_s", "max_skipped_steps",
                     "mtp_loss_weight"}  # fmt: skip
 # The LR schedule's length; changing it on resume needs --lr_decay_steps or --decay_branch (schedule.replan).
 SCHEDULE_LENGTH = {"max_steps", "num_epochs", "lr_decay_steps"}

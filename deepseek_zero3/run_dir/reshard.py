@@ -253,6 +253,11 @@ def prepare(run, accelerator, watchdog) -> Path | None:
             f"DeepSpeed keeps it per rank outside the checkpoint's shards, so it cannot be resharded; resume on "
             f"{ranks} processes"
         )
+    if run.resume.state.get("config", {}).get("optimizer") == "muon":
+        raise UserError(
+            f"cannot resume {ckpt} on {run.launch.world_size} processes: it holds Muon's momentum, which DeepSpeed's "
+            f"universal checkpoint does not carry (it reshards Adam's state only); resume on {ranks} processes"
+        )
     accelerator.print(
         f"{ckpt} was written by {ranks} processes, this run has "
         f"{run.launch.world_size}: resharding it through DeepSpeed's universal checkpoint"

@@ -1,0 +1,167 @@
+"""The optimizer: AdamW, or Muon for the hidden matrices with AdamW for the rest (train.py --optimizer).
+
+    adamw  torch's AdamW (fused), weight decay on 2-D weights (matrices and the embedding), not on norms
+    muon   MomentUm Orthogonalized by Newton-Schulz (Jordan et al. 2024, kellerjordan.github.io/posts/muon): SGD with
+           Nesterov momentum whose update, for each weight matrix, is replaced by the nearest semi-orthogonal matrix
+           (5 Newton-Schulz iterations on the momentum), scaled by sqrt(max(1, rows / cols)). It gets every matrix of
+           the blocks: attention (MLA's q_a/q_b/kv_a/kv_b/o projections, each as one matrix), the MLPs, each routed
+           expert of a MoE layer on its own (the fused [experts, rows, cols] tensors are orthogonalised per expert),
+           the routers, and the MTP modules' projection. The embedding and the output layer (by DeepSpeed's rule,
+           parameters named *embed* or *lm_head*) and the norms get AdamW, with --adam_beta1/2, --adam_eps and
+           --weight_decay (2-D only) as the adamw optimizer has them.
+
+Both are kept implementations, not ours: under DeepSpeed (ZeRO-1/2/3) its own Muon (optimizer type "Muon", the update
+computed on whole gradients, each rank a round-robin share of the matrices, the momentum partitioned like Adam's
+state); without DeepSpeed (DDP, one plain process) DeepSpeed's single-device class of the same update, which takes
+the 3-D expert tensors that torch.optim.Muon (2-D only) refuses. Muon with the optimizer offloaded is refused.
+
+Muon runs without gradient clipping (resolve_clipping), as the speedrun's records do. Under DeepSpeed the grad_norm a
+run logs is the norm DeepSpeed takes: of Muon's orthogonalised updates and AdamW's gradients; without it, of the
+gradients.
+
+The LR schedule multiplies both: at a step where the schedule gives lr, the AdamW groups get lr and the Muon groups
+lr x --muon_lr / --lr.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+
+from deepseek_zero3.cli import UserError
+
+OPTIMIZERS = ("adamw", "muon")
+WORKING_WITH_MUON = "zero3_3gpu.yaml, zero2_3gpu.yaml, ddp_3gpu.yaml, zero3_multinode.yaml or the CPU configs"
+
+
+def shape_of(p) -> tuple:
+    return tuple(getattr(p, "ds_shape", p.shape))  # under zero.Init parameters are flat shards; ds_shape is the real one
+
+
+def takes_muon(name: str, p) -> bool:
+    """DeepSpeed's rule (deepspeed.set_optimizer_flags), which its engine applies to the model it is given: Muon for
+    every tensor of 2 or more dimensions whose name holds neither 'embed' nor 'lm_head'."""
+    return len(shape_of(p)) >= 2 and not any(word in name.lower() for word in ("embed", "lm_head"))
+
+
+def check(cfg, launch) -> None:
+    """The flags, and Muon's strategies: one line naming what works."""
+    if cfg.optimizer not in OPTIMIZERS:
+        raise UserError(f"--optimizer {cfg.optimizer!r} must be one of {', '.join(OPTIMIZERS)}")
+    for name in ("muon_lr", "muon_weight_decay"):
+        if not getattr(cfg, name) >= 0 or getattr(cfg, name) == float("inf"):
+            raise UserError(f"--{name} {getattr(cfg, name)} must be a finite number, not negative")
+    if not 0 <= cfg.muon_momentum < 1:
+        raise UserError(f"--muon_momentum {cfg.muon_momentum} must be within [0, 1)")
+    if cfg.optimizer == "muon" and launch is not None and launch.offload_optimizer != "none":
+        raise UserError(
+            f"--optimizer muon does not run with the optimizer offloaded (this config offloads it to "
+            f"{launch.offload_optimizer}; DeepSpeed's Muon is not supported there): use {WORKING_WITH_MUON}, or "
+            f"--optimizer adamw"
+        )
+
+
+def resolve_clipping(cfg, given: set[str]):
+    """Muon runs unclipped. DeepSpeed's Muon takes the global norm after orthogonalising, over Muon's updates (each a
+    matrix of singular values ~1, its norm ~ sqrt(min(rows, cols)): 33 on the tiny preset) and AdamW's gradients, and
+    clips that: --max_grad_norm 1 would shrink every step ~30x. So --max_grad_norm defaults to 0 with Muon, and a
+    value given is refused."""
+    if cfg.optimizer != "muon" or cfg.max_grad_norm == 0:
+        return cfg
+    if "max_grad_norm" in given:
+        raise UserError(
+            f"--max_grad_norm {cfg.max_grad_norm} with --optimizer muon: Muon runs unclipped (DeepSpeed's Muon would "
+            f"clip its orthogonalised update, whose norm is set by the matrices' shapes, not by the gradient); drop "
+            f"--max_grad_norm, or train with --optimizer adamw"
+        )
+    return dataclasses.replace(cfg, max_grad_norm=0.0)
+
+
+def check_names(model) -> None:
+    """The embedding and the output layer must fall to AdamW under DeepSpeed's name rule, or its engine would give them
+    Muon (a model whose embedding is named otherwise, GPT-2's `wte`, say)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    for layer in (model.get_input_embeddings(), model.get_output_embeddings()):
+        p = getattr(layer, "weight", None)
+        if p is not None and id(p) in names and takes_muon(names[id(p)], p):
+            raise UserError(
+                f"--optimizer muon: this model's {names[id(p)]} would get Muon, as DeepSpeed picks AdamW's parameters "
+                f"by name (*embed*, *lm_head*); train it with --optimizer adamw"
+            )
+
+
+def groups(model, cfg) -> list[dict]:
+    """The param groups: with Muon its matrices, then AdamW's decayed 2-D weights, then the rest undecayed."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    muon = [p for n, p in named if cfg.optimizer == "muon" and takes_muon(n, p)]
+    taken = {id(p) for p in muon}
+    decay = [p for n, p in named if id(p) not in taken and len(shape_of(p)) >= 2]
+    no_decay = [p for n, p in named if id(p) not in taken and len(shape_of(p)) < 2]
+    adam = [{"params": decay, "weight_decay": cfg.weight_decay, "name": "adamw_decay"},
+            {"params": no_decay, "weight_decay": 0.0, "name": "adamw_no_decay"}]  # fmt: skip
+    if cfg.optimizer == "adamw":
+        return [{k: v for k, v in g.items() if k != "name"} for g in adam]
+    return [{"params": muon, "weight_decay": cfg.muon_weight_decay, "name": "muon"}, *adam]
+
+
+def make(model, cfg, accelerator):
+    """The optimizer to hand accelerator.prepare. With the optimizer offloaded, Accelerate swaps torch's AdamW for
+    DeepSpeed's CPU AdamW; any other optimizer, CPU Adam itself included, it rebuilds as Adam with L2 decay
+    (accelerate's map_pytorch_optim_to_deepspeed)."""
+    if cfg.optimizer == "muon":
+        check_names(model)
+    param_groups = groups(model, cfg)
+    betas = (cfg.adam_beta1, cfg.adam_beta2)
+    if cfg.optimizer == "adamw":
+        # fused: one kernel per tensor (CPU and CUDA), not a dozen elementwise passes; on a ZeRO-3 partition 7x faster.
+        # Loading a checkpoint's groups (one saved before fused was set) must not turn it off.
+        optimizer = torch.optim.AdamW(param_groups, lr=cfg.lr, betas=betas, eps=cfg.adam_eps, fused=True)
+        optimizer.register_load_state_dict_post_hook(lambda opt: [g.update(fused=True) for g in opt.param_groups])
+        return optimizer
+    plugin = accelerator.state.deepspeed_plugin if accelerator is not None else None
+    if plugin is not None:  # DeepSpeed builds its Muon from the config; Accelerate hands it these groups
+        from accelerate.utils import DummyOptim
+
+        plugin.deepspeed_config["optimizer"] = {
+            "type": "Muon",
+            "params": {"muon_lr": cfg.muon_lr, "adam_lr": cfg.lr, "momentum": cfg.muon_momentum, "betas": list(betas),
+                       "eps": cfg.adam_eps, "weight_decay": cfg.weight_decay},
+        }  # fmt: skip
+        zero = plugin.deepspeed_config.setdefault("zero_optimization", {})
+        if zero.get("stage") == 3:  # its ZeRO-3 Muon refuses per-parameter reduce-scatter: one bucket-wide scatter
+            zero["reduce_scatter"] = False
+        return DummyOptim(param_groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    from deepspeed.runtime.zero.muon.original_muon import SingleDeviceMuonWithAuxAdam
+
+    muon, *adam = param_groups
+    muon.update(use_muon=True, lr=cfg.muon_lr, momentum=cfg.muon_momentum)
+    for group in adam:
+        group.update(use_muon=False, lr=cfg.lr, betas=betas, eps=cfg.adam_eps)
+    return SingleDeviceMuonWithAuxAdam([g for g in param_groups if g["params"]])
+
+
+def set_lr(optimizer, lr: float, cfg) -> None:
+    """The schedule's LR into every group: AdamW's as it is, Muon's scaled by --muon_lr / --lr."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * cfg.muon_lr / cfg.lr if group.get("use_muon") else lr
+
+
+def describe(model, cfg) -> str:
+    """Which parameters each optimizer updates, printed once at start: counts, and names with layer numbers as *."""
+    if cfg.optimizer == "adamw":
+        n = sum(p.numel() if not hasattr(p, "ds_numel") else p.ds_numel for p in model.parameters())
+        return f"optimizer: AdamW for all {n / 1e6:.2f}M parameters (weight decay on 2-D weights only)"
+    lines = []
+    for label, picked in (("Muon", True), ("AdamW", False)):
+        chosen = [(n, p) for n, p in model.named_parameters() if p.requires_grad and takes_muon(n, p) is picked]
+        kinds: dict[str, list] = {}
+        for n, p in chosen:
+            kinds.setdefault(re.sub(r"\.\d+\.", ".*.", n), []).append(shape_of(p))
+        total = sum(int(torch.Size(s).numel()) for shapes in kinds.values() for s in shapes)
+        parts = [f"{k} x{len(v)} {list(v[0])}" for k, v in kinds.items()]
+        lines.append(f"  {label}: {len(chosen)} tensors, {total / 1e6:.2f}M parameters: {'; '.join(parts)}")
+    lr = f"Muon lr {cfg.muon_lr:g} (momentum {cfg.muon_momentum:g}, weight decay {cfg.muon_weight_decay:g})"
+    head = f"optimizer: Muon + AdamW; {lr}, AdamW lr {cfg.lr:g}; 3-D expert tensors orthogonalised per expert"
+    return "\n".join([head, *lines])
