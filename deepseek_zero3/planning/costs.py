@@ -103,7 +103,7 @@ def with_strategy(launch: Launch, s: Strategy, grad_accum_steps: int) -> Launch:
 
 
 def memory_plan(c, launch: Launch, micro_batch_size: int, seq_len: int, gradient_checkpointing: bool, attn: str,
-                loss_chunk_tokens: int = 0, mtp_depth: int = 0) -> dict:  # fmt: skip
+                loss_chunk_tokens: int = 0, mtp_depth: int = 0, muon: int = 0) -> dict:  # fmt: skip
     """Bytes per GPU (and per process in host RAM and on NVMe) of one training process, by component.
 
     Model states, mixed precision with Adam (fp32 in brackets), P parameters over n processes:
@@ -122,6 +122,7 @@ def memory_plan(c, launch: Launch, micro_batch_size: int, seq_len: int, gradient
     2 a s for eager attention's score matrices; MLA and MoE layers as activations_per_token says. Checkpointing
     keeps each layer's input and recomputes one layer at a time. The loss: loss_bytes (the whole logits, or one chunk).
     MTP modules (mtp_depth): their parameters, each block's activations as one more layer, each depth's loss.
+    Muon (muon: the parameters it updates, recipe/optimizer.py): one fp32 momentum for those, not Adam's two moments.
     """
     counts = param_counts(c, mtp_depth)
     p, n, stage = counts["total"], launch.world_size, launch.zero_stage
@@ -137,7 +138,7 @@ def memory_plan(c, launch: Launch, micro_batch_size: int, seq_len: int, gradient
         states = {
             "parameters": 4 * p + (2 * p if half else 0),
             "gradients": 8 * p,
-            "optimizer_states": 8 * p,
+            "optimizer_states": 8 * p - 4 * muon,
             "optimizer_step_temporaries": 4 * p,
             "gathered_largest_tensor": 0,
         }
@@ -146,7 +147,7 @@ def memory_plan(c, launch: Launch, micro_batch_size: int, seq_len: int, gradient
         states = {
             "parameters": 0 if launch.offload_params else param_b * p * shard / n,
             "gradients": (grad_b + (4 if half and stage == 2 else 0)) * p / n,
-            "optimizer_states": 0 if offload_opt else optim_b * p / n,
+            "optimizer_states": 0 if offload_opt else (optim_b * p - 4 * muon) / n,
             "optimizer_step_temporaries": 0 if offload_opt else 4 * p / n,
             "gathered_largest_tensor": param_b * counts["largest_tensor"] if stage == 3 else 0,
         }
@@ -225,7 +226,7 @@ def host_bytes(mem: dict, launch: Launch, base_per_process: float) -> float:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def traffic(counts: dict, launch: Launch, gradient_checkpointing: bool) -> dict:
+def traffic(counts: dict, launch: Launch, gradient_checkpointing: bool, muon: int = 0) -> dict:
     """Bytes one process moves per optimizer step: over the GPU link by collective (ring counts; "link" is their sum),
     over its PCIe link to host RAM for offload, through its own device memory for the optimizer step and the
     strategy's gradient and parameter copies ("memory", read + written), and, per machine, to and from NVMe.
@@ -234,7 +235,10 @@ def traffic(counts: dict, launch: Launch, gradient_checkpointing: bool) -> dict:
     buckets and back once per step; ZeRO-2 copies each micro-step's gradients into its bucket, flattens the bucket
     for the all-reduce and copies its partition out, and writes the gathered parameters once per step; ZeRO-3 writes
     the gathered parameters of every gather, flattens the gradients for the reduce-scatter and copies its partition
-    out. Adam reads weights, gradients, m and v and writes weights, m and v (28 B per fp32 parameter it updates)."""
+    out. Adam reads weights, gradients, m and v and writes weights, m and v (28 B per fp32 parameter it updates).
+    Muon under ZeRO-3 (muon: its parameters) all-gathers, once per step, the fp32 gradients and momentum of its
+    matrices, then each process's orthogonalised share and its momentum (16 B per Muon parameter); under ZeRO-2 each
+    process holds the whole gradients already (the all-reduce) and orthogonalises the matrices of its partition."""
     p, n, accum, stage = counts["total"], launch.world_size, launch.grad_accum_steps, launch.zero_stage
     param_b = 2 if launch.precision in ("fp16", "bf16") else 4
     ring = (n - 1) / n if n > 1 else 0.0
@@ -253,6 +257,7 @@ def traffic(counts: dict, launch: Launch, gradient_checkpointing: bool) -> dict:
     else:
         moved["all_gather"] = accum * gathers * ring * param_b * p
         moved["reduce_scatter"] = accum * ring * param_b * p
+        moved["all_gather"] += 16 * ring * muon
         held = accum * 2 * param_b * p / n
         fresh = accum * (gathers * param_b * p + 2 * param_b * p)
     if launch.offload_optimizer == "none":
@@ -271,15 +276,16 @@ def step_costs(c, cfg, launch: Launch, micro_batch_size: int, machine: Machine, 
     """Memory, traffic and seconds per optimizer step of train.py's Config (cfg: sequence length, checkpointing,
     attention, loss path) under `launch` at a micro-batch; `fits` and, when it does not, `why`."""
     depth = model_math.mtp_depth(cfg, c)
+    muon = getattr(cfg, "optimizer", "adamw") == "muon"
     mem = memory_plan(
         c, launch, micro_batch_size, cfg.seq_len, cfg.gradient_checkpointing, cfg.attn_implementation,
-        cfg.loss_chunk_tokens, depth,
+        cfg.loss_chunk_tokens, depth, model_math.muon_params(c, depth) if muon else 0,
     )  # fmt: skip
     counts = mem["params"]
     ds_host, ds_gpu = deepspeed_estimate(counts, launch)
     need = max(mem["gpu_total"], ds_gpu + mem["gpu"]["activations"] + mem["gpu"]["loss"])
     host = host_bytes(mem, launch, base_per_process)
-    moved = traffic(counts, launch, cfg.gradient_checkpointing)
+    moved = traffic(counts, launch, cfg.gradient_checkpointing, model_math.muon_params(c, depth) if muon else 0)
     tokens = micro_batch_size * launch.grad_accum_steps * launch.world_size * cfg.seq_len
     recompute = 4 / 3 if cfg.gradient_checkpointing else 1.0  # one more forward of every layer
     compute_s = (
@@ -299,9 +305,17 @@ def step_costs(c, cfg, launch: Launch, micro_batch_size: int, machine: Machine, 
         "copies_s": (moved["memory"] / machine.memory_gb_s + moved["memory_fresh"] / machine.fresh_memory_gb_s) / 1e9,
         "offload_s": moved["pcie"] / (machine.pcie_gb_s * 1e9) + moved["nvme"] / (machine.nvme_gb_s * 1e9),
         "host_adam_s": adam_s,
+        # Muon's Newton-Schulz: under ZeRO each process orthogonalises a round-robin share of the matrices, under DDP
+        # every process all of them (DeepSpeed's single-device class)
+        "newton_schulz_s": (
+            model_math.newton_schulz_flops(c, depth) / (launch.world_size if launch.zero_stage else 1)
+            / machine.flops_per_device if muon else 0.0
+        ),
     }
     step_s = sum(seconds.values())
     why = []
+    if muon and launch.offload_optimizer != "none":
+        why.append("Muon does not run with the optimizer offloaded")
     if launch.gpu and need > machine.gpu_memory_gib * GIB * FIT_FRACTION:
         why.append(f"GPU needs {need / GIB:.1f} of {machine.gpu_memory_gib:.1f} GiB")
     if host > machine.host_memory_gib * GIB * HOST_FIT_FRACTION:
@@ -437,6 +451,7 @@ def plan_report(cfg, c, launch: Launch, machine: Machine, base: float, steps: in
         f"{machine.fresh_memory_gb_s:.3g} GB/s)"
         + (f" + {costs['offload_s']:.2f} s offload" if costs["offload_s"] else "")
         + (f" + {costs['host_adam_s']:.2f} s host Adam" if costs["host_adam_s"] else "")
+        + (f" + {costs['newton_schulz_s']:.2f} s Muon's Newton-Schulz" if costs["newton_schulz_s"] else "")
         + f" = {costs['tokens_per_s']:,.0f} tokens/s"
         + (f"; {steps} steps = {steps * costs['step_s'] / 3600:.1f} h" if steps else "")
     )
@@ -476,7 +491,7 @@ def compare(c, cfg, launch: Launch, machine: Machine, base: float) -> tuple[list
     rows = [(s, *largest_fitting(c, cfg, with_strategy(launch, s, 1), machine, base, per_process)) for s in STRATEGIES]
     header = (
         f"{'strategy (accelerate_configs/)':<31} {'micro x acc':>11} {'GPU GiB':>8} {'host GiB':>8} {'link GB':>8} "
-        f"{'PCIe GB':>8} {'comp s':>7} {'link s':>7} {'copy s':>7} {'offl s':>7} {'Adam s':>7} {'tokens/s':>9}  fits"
+        f"{'PCIe GB':>8} {'comp s':>7} {'link s':>7} {'copy s':>7} {'offl s':>7} {'optim s':>7} {'tokens/s':>9}  fits"
     )
     lines = [
         (
@@ -495,7 +510,7 @@ def compare(c, cfg, launch: Launch, machine: Machine, base: float) -> tuple[list
         lines.append(
             f"{s.config:<31} {f'{micro} x {per_process // micro}':>11} {k['need'] / GIB:>8.1f} {k['host'] / GIB:>8.0f} "
             f"{k['traffic']['link'] / 1e9:>8.1f} {k['traffic']['pcie'] / 1e9:>8.1f} {k['compute_s']:>7.2f} "
-            f"{k['comm_s']:>7.2f} {k['copies_s']:>7.2f} {k['offload_s']:>7.2f} {k['host_adam_s']:>7.2f} "
+            f"{k['comm_s']:>7.2f} {k['copies_s']:>7.2f} {k['offload_s']:>7.2f} {k['host_adam_s'] + k['newton_schulz_s']:>7.2f} "
             f"{k['tokens_per_s']:>9,.0f}  " + ("yes" if k["fits"] else f"no: {k['why']}")
         )
     fitting = [(k["tokens_per_s"], s, micro, per_process // micro) for s, micro, k in rows if k["fits"]]

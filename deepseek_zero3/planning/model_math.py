@@ -101,6 +101,46 @@ def param_counts(c, mtp_depth: int = 0) -> dict:
     return counts
 
 
+def muon_matrices(c, mtp_depth: int = 0) -> list[tuple[int, int, int]]:
+    """The matrices Muon updates (recipe/optimizer.py: every 2-D or 3-D weight but the embedding and the output layer),
+    as (how many, rows, cols): a MoE layer's fused expert tensors count one matrix per expert."""
+    h = c.hidden_size
+
+    def mlp(width: int) -> list:
+        return [(2, width, h), (1, h, width)]  # gate and up, down
+
+    if not is_moe(c):
+        kv = c.num_key_value_heads * (h // c.num_attention_heads)
+        layer = [(2, h, h), (2, kv, h), *mlp(c.intermediate_size)]
+        return [(n * (c.num_hidden_layers + mtp_depth), r, k) for n, r, k in layer] + [(mtp_depth, h, 2 * h)]
+    heads, qk = c.num_attention_heads, c.qk_nope_head_dim + c.qk_rope_head_dim
+    q = [(1, c.q_lora_rank, h), (1, heads * qk, c.q_lora_rank)] if c.q_lora_rank else [(1, heads * qk, h)]
+    attention = [*q, (1, c.kv_lora_rank + c.qk_rope_head_dim, h),
+                 (1, heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank), (1, h, heads * c.v_head_dim)]
+    i, experts = c.moe_intermediate_size, c.n_routed_experts
+    moe = [(experts, 2 * i, h), (experts, h, i), *mlp(i * c.n_shared_experts), (1, experts, h)]  # fmt: skip
+    n_dense = min(c.first_k_dense_replace, c.num_hidden_layers)
+    n_moe = c.num_hidden_layers - n_dense + mtp_depth
+    return ([(n * c.num_hidden_layers, r, k) for n, r, k in attention] + [(n * n_dense, r, k) for n, r, k in
+            mlp(c.intermediate_size)] + [(n * n_moe, r, k) for n, r, k in moe]
+            + [(n * mtp_depth, r, k) for n, r, k in attention] + [(mtp_depth, h, 2 * h)])  # fmt: skip
+
+
+def muon_params(c, mtp_depth: int = 0) -> int:
+    return sum(n * r * k for n, r, k in muon_matrices(c, mtp_depth))
+
+
+def newton_schulz_flops(c, mtp_depth: int = 0, steps: int = 5) -> float:
+    """FLOPs of Muon's orthogonalisation per optimizer step: `steps` quintic Newton-Schulz iterations on each matrix
+    (m <= n its sides): X X^T (2 m^2 n), b A + c A^2 (2 m^3), B X (2 m^2 n). DeepSpeed's Gram variant, on matrices
+    far from square, does fewer; this is the standard iteration's count."""
+    total = 0.0
+    for n_mat, r, k in muon_matrices(c, mtp_depth):
+        m, n = min(r, k), max(r, k)
+        total += n_mat * steps * (4 * m * m * n + 2 * m**3)
+    return total
+
+
 def model_flops_per_token(c, seq_len: int, mtp_depth: int = 0) -> float:
     """Training FLOPs per token of a config: 6 x activated non-embedding parameters (a MoE layer counts only the
     experts a token goes to) + 6 L T x the attention's query-key and value widths (12 L H T for Llama; MLA's
