@@ -1,0 +1,177 @@
+"""Issue #41: --optimizer muon. The update is Muon's (against a Newton-Schulz iteration written here, in float64), the
+parameters go to the groups DeepSpeed's rule gives, the plan counts Muon's matrices as the built model has them, and
+real runs: 3 processes == 1 and stop/resume == straight under ZeRO-2 (Llama preset, against one plain process: the
+single-device class) and ZeRO-3 (DeepSeek-V3 preset with its MTP module, against one ZeRO-3 process)."""
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import MOE, REPO, TINY, assert_processes, launch, run, train_records
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import train
+from deepseek_zero3 import distributed
+from deepseek_zero3.cli import UserError
+from deepseek_zero3.model import mtp
+from deepseek_zero3.planning import costs, model_math
+from deepseek_zero3.recipe import optimizer as optimizer_lib
+
+EIGHT = ["--max_steps", "8", "--save_every", "4", "--optimizer", "muon"]
+
+
+def model_of(preset: str, vocab: int = 96):
+    c = AutoConfig.for_model(**{**json.loads((REPO / "model_configs" / f"{preset}.json").read_text()),
+                                "vocab_size": vocab})  # fmt: skip
+    return c, AutoModelForCausalLM.from_config(c)
+
+
+def newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """Muon's orthogonalisation as Jordan et al. write it: the matrix over its Frobenius norm, then `steps` quintic
+    iterations X <- a X + (b A + c A^2) X with A = X X^T, a, b, c = 3.4445, -4.7750, 2.0315, on the wide side."""
+    x = g.double()
+    wide = x.shape[0] <= x.shape[1]
+    x = x if wide else x.T
+    x = x / (x.norm() + 1e-7)
+    for _ in range(steps):
+        a = x @ x.T
+        x = 3.4445 * x + (-4.7750 * a + 2.0315 * a @ a) @ x
+    return x if wide else x.T
+
+
+def test_the_step_is_the_orthogonalised_momentum_and_the_rest_is_adamw():
+    torch.manual_seed(0)
+    _, model = model_of("tiny")
+    cfg = train.Config(optimizer="muon", lr=2e-3, muon_lr=0.02, muon_weight_decay=0.1, weight_decay=0.1)
+    opt = optimizer_lib.make(model, cfg, None)
+    names = dict(model.named_parameters())
+    q, embed, norm = (names[n] for n in ("model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight",
+                                         "model.norm.weight"))  # fmt: skip
+    ref = {p: p.detach().clone().requires_grad_() for p in (embed, norm)}
+    adamw = torch.optim.AdamW([{"params": [ref[embed]], "weight_decay": 0.1}, {"params": [ref[norm]],
+                               "weight_decay": 0.0}], lr=2e-3, betas=(0.9, 0.95), eps=1e-8)  # fmt: skip
+    momentum = torch.zeros_like(q, dtype=torch.float64)
+    for _ in range(3):
+        tokens = torch.randint(0, 96, (2, 16))
+        model(tokens, labels=tokens).loss.backward()
+        g, before = q.grad.double(), q.detach().double().clone()
+        for p, r in ref.items():
+            r.grad = p.grad.clone()
+        opt.step()
+        adamw.step()
+        opt.zero_grad()
+        momentum = 0.95 * momentum + 0.05 * g
+        expected = newton_schulz(0.05 * g + 0.95 * momentum) * max(1, q.shape[0] / q.shape[1]) ** 0.5
+        taken = (before * (1 - 0.02 * 0.1) - q.detach().double()) / 0.02
+        assert (taken - expected).abs().max() <= 1e-4 * expected.abs().max(), (taken - expected).abs().max()
+        for p, r in ref.items():  # embedding and norms: torch's AdamW, decay on the 2-D one only
+            torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-6, atol=1e-7)
+    optimizer_lib.set_lr(opt, 1e-3, cfg)  # the schedule's LR: AdamW's as given, Muon's x muon_lr / lr
+    assert sorted(g["lr"] for g in opt.param_groups) == pytest.approx([1e-3, 1e-3, 0.01])
+    # The independent iteration is the orthogonalisation: a wrong coefficient moves it far outside the tolerance.
+    g = torch.randn(16, 40, dtype=torch.float64)
+    assert (newton_schulz(g) - newton_schulz(g * 3)).abs().max() < 1e-6
+    singular = torch.linalg.svdvals(newton_schulz(g))
+    assert singular.min() > 0.5 and singular.max() < 1.5, singular
+
+
+@pytest.mark.parametrize("preset,depth", [("tiny", 0), ("deepseek-v3-tiny", 1), ("deepseek-v3-tiny", 0)])
+def test_groups_follow_deepspeeds_rule_and_the_plan_counts_them(preset, depth):
+    c, model = model_of(preset)
+    if depth:
+        mtp.attach(model, depth, 0)
+    cfg = train.Config(optimizer="muon")
+    groups = optimizer_lib.groups(model, cfg)
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon = {names[id(p)] for p in groups[0]["params"]}
+    adam = {names[id(p)] for g in groups[1:] for p in g["params"]}
+    assert not muon & adam and len(muon | adam) == len(names)
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} <= adam
+    assert all(p.dim() >= 2 for p in groups[0]["params"]) and all("norm" in n for n in adam if n.endswith("m.weight"))
+    if preset != "tiny":  # MLA's projections, the fused experts (3-D), the router, the MTP projection
+        for part in ("kv_a_proj_with_mqa", "kv_b_proj", "experts.gate_up_proj", "experts.down_proj", "mlp.gate.weight"):
+            assert any(part in n for n in muon), part
+        assert any(p.dim() == 3 for p in groups[0]["params"])
+        assert ("mtp.0.eh_proj.weight" in muon) == bool(depth)
+    real = sum(p.numel() for p in groups[0]["params"])
+    assert model_math.muon_params(c, depth) == real
+    described = optimizer_lib.describe(model, cfg)
+    assert f"Muon: {len(muon)} tensors, {real / 1e6:.2f}M parameters" in described
+    assert "model.layers.*.self_attn" in described and "AdamW: " in described
+
+
+def test_the_plan_counts_muons_state_and_newton_schulz():
+    c, _ = model_of("small", 4096)
+    launch = distributed.Launch(3, 1, "bf16", 1, "none", False, 3, True)
+    adamw = costs.memory_plan(c, launch, 1, 128, False, "sdpa")
+    muon = costs.memory_plan(c, launch, 1, 128, False, "sdpa", muon=model_math.muon_params(c))
+    freed = adamw["gpu"]["optimizer_states"] - muon["gpu"]["optimizer_states"]
+    assert freed == pytest.approx(4 * model_math.muon_params(c) / 3)  # one fp32 momentum, not Adam's two moments
+    h, f = c.hidden_size, c.intermediate_size  # one layer's q: 5 x (4 h^3 + 2 h^3); gate: m = h, n = f
+    assert model_math.newton_schulz_flops(c) > c.num_hidden_layers * 5 * (2 * 6 * h**3 + 3 * (4 * h * h * f + 2 * h**3))
+    cfg = train.Config(optimizer="muon", seq_len=128, micro_batch_size=1)
+    machine = costs.machine_for(cfg, launch, 1e12)
+    one = costs.step_costs(c, cfg, launch, 1, machine, 0)
+    assert one["newton_schulz_s"] == pytest.approx(model_math.newton_schulz_flops(c) / 3 / machine.flops_per_device)
+    offload = costs.step_costs(c, cfg, distributed.Launch(3, 1, "bf16", 1, "cpu", False, 3, True), 1, machine, 0)
+    assert not offload["fits"] and "Muon" in offload["why"]
+
+
+def test_flags_and_strategies_muon_refuses():
+    offloaded = distributed.Launch(3, 1, "bf16", 1, "cpu", False, 3, True)
+    with pytest.raises(UserError, match="zero3_3gpu.yaml"):
+        optimizer_lib.check(train.Config(optimizer="muon"), offloaded)
+    optimizer_lib.check(train.Config(optimizer="adamw"), offloaded)
+    for bad in ({"optimizer": "sgd"}, {"muon_lr": -1.0}, {"muon_lr": float("nan")}, {"muon_momentum": 1.0}):
+        with pytest.raises(UserError):
+            optimizer_lib.check(train.Config(**bad), None)
+    cfg = train.Config(optimizer="muon")
+    assert optimizer_lib.resolve_clipping(cfg, set()).max_grad_norm == 0
+    with pytest.raises(UserError, match="unclipped"):
+        optimizer_lib.resolve_clipping(cfg, {"max_grad_norm"})
+    assert optimizer_lib.resolve_clipping(train.Config(), {"max_grad_norm"}).max_grad_norm == 1.0
+
+
+def assert_same(a_dir, b_dir, steps, rel: float) -> None:
+    a, b = train_records(a_dir), train_records(b_dir)
+    assert all(s in a and s in b for s in steps), (sorted(a), sorted(b))
+    for s in steps:
+        assert abs(a[s]["loss"] - b[s]["loss"]) <= rel * a[s]["loss"], (s, a[s]["loss"], b[s]["loss"])
+
+
+def resumed(straight: Path, tmp_path: Path, config: str) -> Path:
+    copy = tmp_path / "copy" / "step_4"
+    shutil.copytree(straight / "checkpoints" / "step_4", copy)
+    out = tmp_path / "resumed"
+    proc = launch(3, "--resume", copy, "--output_dir", out, "--max_steps", "8", config=config)
+    assert f"resumed from {copy} at step 4" in proc.stdout
+    assert sorted(train_records(out)) == [5, 6, 7, 8]
+    return out
+
+
+def test_zero2_llama_three_processes_train_like_one_and_resume_exactly(docs_data, tmp_path):
+    config = "accelerate_configs/zero2_cpu.yaml"
+    one = tmp_path / "one"  # one plain process: DeepSpeed's single-device Muon on the whole batch of 6
+    plain = run([sys.executable, "train.py", *TINY, *EIGHT, "--micro_batch_size", "6", "--data_dir", docs_data,
+                 "--output_dir", one])  # fmt: skip
+    assert "; NO, fp32" in plain.stdout and "optimizer: Muon + AdamW" in plain.stdout
+    three = tmp_path / "three"
+    proc = launch(3, *TINY, *EIGHT, "--micro_batch_size", "2", "--data_dir", docs_data, "--output_dir", three,
+                  config=config)  # fmt: skip
+    assert_processes(proc, 3)
+    assert "optimizer: Muon + AdamW" in proc.stdout and "  Muon: 14 tensors" in proc.stdout
+    assert_same(one, three, range(1, 9), rel=1e-5)  # measured: 6e-8, the order of the gradient sums
+    assert_same(three, resumed(three, tmp_path, config), range(5, 9), rel=0.0)
+
+
+def test_zero3_deepseek_v3_three_processes_train_like_one_and_resume_exactly(docs_data, tmp_path):
+    args = [*MOE, *EIGHT, "--data_dir", docs_data]
+    one, three = tmp_path / "one", tmp_path / "three"
+    launch(1, *args, "--micro_batch_size", "6", "--output_dir", one)
+    proc = launch(3, *args, "--micro_batch_size", "2", "--output_dir", three)
+    assert "mtp.*.eh_proj.weight" in proc.stdout and "experts.gate_up_proj" in proc.stdout
+    assert_same(one, three, range(1, 9), rel=1e-5)  # measured: 1.2e-7
+    assert_same(three, resumed(three, tmp_path, "accelerate_configs/zero3_cpu.yaml"), range(5, 9), rel=0.0)
