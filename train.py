@@ -35,7 +35,7 @@ from deepseek_zero3.cli import UserError, field
 from deepseek_zero3.model import models, moe, mtp
 from deepseek_zero3.model.lmloss import DEFAULT_CHUNK_TOKENS, document_positions, loss_path, model_nll
 from deepseek_zero3.model.lmloss import validation_losses
-from deepseek_zero3.planning import plan
+from deepseek_zero3.planning import breakdown, plan
 from deepseek_zero3.recipe import optimizer as optimizer_lib
 from deepseek_zero3.recipe.schedule import Schedule, branch_settings, check_schedule_flags, parse_fractions, replan
 from deepseek_zero3.run_dir import card, checkpoint, metrics, reshard, resilience, trackers
@@ -103,6 +103,7 @@ class Config:
                                  "recommended config, micro-batch and accumulation")
     accelerate_config: str = field("", "with --plan: the accelerate config YAML to plan for (default: the CPU config; "
                                        "with --compare the 3-GPU ZeRO-3 config, for its processes and global batch)")
+    from_run: str = field("", "with --plan: a run's OUT: the plan it made beside what it measured, per component")
     assumed_mfu: float = field(0.35, "model FLOPs utilisation the plan assumes on GPUs (CPU runs time their model)")
     interconnect_gb_s: float = field(10.0, "with --plan: GPU-to-GPU all-reduce bandwidth, GB/s (PCIe 4.0 x16 without "
                                            "P2P: ~10); a real run measures it")
@@ -113,6 +114,8 @@ class Config:
     host_memory_gib: float = field(0.0, "host RAM per machine to plan for (0: this machine's)")
     gradient_accumulation_steps: int = field(0, "with --plan: accumulation to plan for (0: the accelerate config's); "
                                                 "a run takes it from the config or `accelerate launch` only")
+    profile_steps: int = field(0, "profile steps 2..N+1 of each process: where the time goes, by the plan's "
+                                  "components, in OUT/profile/ (train.py --plan --from_run OUT shows it)")
     ignore_memory_plan: bool = field(False, "start even when the plan says the run does not fit the GPUs or RAM")
     eval_at_start: bool = field(True, "validation loss of the initial weights at step 0 (--no_eval_at_start skips "
                                       "it)")
@@ -149,10 +152,7 @@ def schedule_for(cfg: Config, total_steps: int) -> Schedule:
     )  # fmt: skip
 
 
-def make_optimizer(model, cfg: Config, accelerator=None):
-    """AdamW, or Muon for the hidden matrices and AdamW for the rest (recipe/optimizer.py: the param groups and which
-    implementation runs)."""
-    return optimizer_lib.make(model, cfg, accelerator)
+make_optimizer = optimizer_lib.make  # AdamW, or Muon for the hidden matrices and AdamW for the rest (recipe/)
 
 
 def sample_ids(step: int, micro_step: int, rank: int, batch: token_data.BatchPlan) -> range:
@@ -245,7 +245,8 @@ def check_flags(cfg: Config) -> None:
             raise UserError(f"--{name} {getattr(cfg, name)} must be at least 1")
     never_negative = ("max_steps", "warmup_steps", "lr_decay_steps", "eval_every", "save_every", "eval_tokens",
                       "moe_bias_update_speed", "moe_aux_loss_alpha", "loss_chunk_tokens", "max_grad_norm",
-                      "max_skipped_steps", "decay_branch", "decay_start_step", "mtp_loss_weight")  # fmt: skip
+                      "max_skipped_steps", "decay_branch", "decay_start_step", "mtp_loss_weight",
+                      "profile_steps")  # fmt: skip
     for name in never_negative:
         value = getattr(cfg, name)
         if value < 0:
@@ -423,6 +424,7 @@ def setup(cfg: Config, given: set[str]) -> tuple[Run, Parts]:
     resilience.lock_run_dir(accelerator, out)
     finaliser = checkpoint.first_process_on_disk(accelerator, ckpt_root)
     if finaliser:
+        cli.write_json_atomic(out / "plan.json", planned.record)  # what train.py --plan --from_run OUT compares
         if removed := checkpoint.remove_leftovers(ckpt_root, finished=False):
             print(f"removed what earlier runs left unfinished in {ckpt_root}: {', '.join(removed)}")
     accelerator.wait_for_everyone()
@@ -484,6 +486,7 @@ def train(cfg: Config, given: set[str]) -> int:
         watchdog.beat(0, "validation")
         validate_at(0)
     interval, skips = metrics.Interval(), parts.skips
+    profiler = breakdown.Profiler(cfg.profile_steps, out, rank, step)
     watchdog.beat(step)
     while step < run.total_steps:
         # One optimizer step over `accum` micro-batches. A MoE model's balance loss is added to what is
@@ -517,6 +520,7 @@ def train(cfg: Config, given: set[str]) -> int:
         for kind in ("sigterm_launcher", "sigkill_rank", "sigstop_rank", "slow_step"):  # the crash tests' points
             cli.fault(kind, rank, step + 1)
         step += 1
+        profiler.step()
         stop_requested = resilience.any_process(accelerator, bool(stop_signals.received))  # all after the same step
         # The loss logged is the mean over the steps taken (reduced over processes at the log step).
         if not skips.after_step(step, skip):

@@ -260,8 +260,8 @@ def traffic(counts: dict, launch: Launch, gradient_checkpointing: bool, muon: in
         moved["all_gather"] += 16 * ring * muon
         held = accum * 2 * param_b * p / n
         fresh = accum * (gathers * param_b * p + 2 * param_b * p)
-    if launch.offload_optimizer == "none":
-        held += 28 * (p if stage == 0 else p / n)
+    optimizer = 28 * (p if stage == 0 else p / n) if launch.offload_optimizer == "none" else 0.0
+    held += optimizer
     pcie = 0.0
     if launch.offload_optimizer != "none":  # 16-bit gradients down every micro-step, updated parameters up once
         pcie += (accum + 1) * param_b * p / n
@@ -269,7 +269,8 @@ def traffic(counts: dict, launch: Launch, gradient_checkpointing: bool, muon: in
         pcie += accum * gathers * param_b * p / n
     optim_b = 12 if param_b == 2 else 8
     nvme = 2 * optim_b * p / launch.nodes if launch.offload_optimizer == "nvme" else 0.0  # read and write every step
-    return {**moved, "link": sum(moved.values()), "pcie": pcie, "nvme": nvme, "memory": held, "memory_fresh": fresh}
+    return {**moved, "link": sum(moved.values()), "pcie": pcie, "nvme": nvme, "memory": held, "memory_fresh": fresh,
+            "memory_optimizer": optimizer}  # fmt: skip
 
 
 def step_costs(c, cfg, launch: Launch, micro_batch_size: int, machine: Machine, base_per_process: float) -> dict:

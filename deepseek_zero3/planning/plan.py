@@ -13,7 +13,7 @@ import torch
 
 from deepseek_zero3.cli import UserError
 from deepseek_zero3.distributed import read_launch
-from deepseek_zero3.planning import costs, measure, model_math
+from deepseek_zero3.planning import breakdown, costs, measure, model_math
 from deepseek_zero3.planning.model_math import GIB
 from deepseek_zero3.recipe import scaling
 from deepseek_zero3.tokens import mixture
@@ -28,6 +28,7 @@ class RunPlan:
     flops_per_token: float  # training FLOPs per token, what MFU counts
     peak_flops: float  # what MFU is measured against: all processes' together
     peak_source: str  # where peak_flops comes from (a datasheet, or a matmul timed in this run)
+    record: dict  # for OUT/plan.json: the launch, the measured machine and the planned seconds per component
 
 
 def check_plan_flags(cfg) -> None:
@@ -38,8 +39,9 @@ def check_plan_flags(cfg) -> None:
     for name in ("host_memory_gib", "gradient_accumulation_steps"):
         if getattr(cfg, name) < 0:
             raise UserError(f"--{name} {getattr(cfg, name)} must not be negative (0: the default)")
-    if cfg.compare and not cfg.plan:
-        raise UserError("--compare is a --plan option: python train.py --plan --compare ...")
+    for name in ("compare", "from_run"):
+        if getattr(cfg, name) and not cfg.plan:
+            raise UserError(f"--{name} is a --plan option: python train.py --plan --{name} ...")
 
 
 def plan_run(run, accelerator) -> RunPlan:
@@ -83,7 +85,13 @@ def plan_run(run, accelerator) -> RunPlan:
     depth = model_math.mtp_depth(cfg, run.model_config)
     counts = model_math.param_counts(run.model_config, depth)
     flops = model_math.model_flops_per_token(run.model_config, cfg.seq_len, depth)
-    return RunPlan(counts, flops, peak_flops, peak_source)
+    step = costs.step_costs(run.model_config, cfg, launch, batch.micro_batch_size, machine, base)
+    strategy = f"ZeRO-{launch.zero_stage}" if launch.zero_stage else "DDP" if launch.world_size > 1 else "one process"
+    offloaded = f", optimizer offloaded to {launch.offload_optimizer}" if launch.offload_optimizer != "none" else ""
+    record = {"strategy": strategy + offloaded, "launch": dataclasses.asdict(launch),
+              "micro_batch_size": batch.micro_batch_size, "tokens_per_step": batch.tokens_per_step,
+              "machine": dataclasses.asdict(machine), "planned_s": breakdown.planned(step, machine)}  # fmt: skip
+    return RunPlan(counts, flops, peak_flops, peak_source, record)
 
 
 def source_passes(run) -> str:
@@ -109,6 +117,9 @@ def plan_on_paper(cfg, check_flags) -> int:
     from deepseek_zero3.tokens import token_data
 
     try:
+        if cfg.from_run:
+            print("\n".join(breakdown.from_run(cfg.from_run)))
+            return 0
         check_flags(cfg)
         first = Path((token_data.data_dirs(cfg.data_dir) or [""])[0])  # its vocabulary size, shared by all
         meta = token_data.read_meta(first) if (first / "meta.json").is_file() else None

@@ -106,7 +106,7 @@ def groups(model, cfg) -> list[dict]:
     return [{"params": muon, "weight_decay": cfg.muon_weight_decay, "name": "muon"}, *adam]
 
 
-def make(model, cfg, accelerator):
+def make(model, cfg, accelerator=None):
     """The optimizer to hand accelerator.prepare. With the optimizer offloaded, Accelerate swaps torch's AdamW for
     DeepSpeed's CPU AdamW; any other optimizer, CPU Adam itself included, it rebuilds as Adam with L2 decay
     (accelerate's map_pytorch_optim_to_deepspeed)."""

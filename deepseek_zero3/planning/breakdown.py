@@ -1,0 +1,234 @@
+"""Where a step's time goes, measured and planned, by the planner's components (train.py --profile_steps, train.py
+--plan --from_run, bench/strategy_vs_plan.py --breakdown).
+
+Measured: torch's profiler over --profile_steps optimizer steps of each process (after the first step, which warms
+up), its events sorted into the plan's components:
+    compute     what the training thread runs that is none of the below (forward, loss, backward, the rest)
+    copies      aten copy_/cat/clone/zero_/fill_/add_ outside the optimizer: gradient buckets, flattening, gathers
+    optimizer   everything under the optimizer's step (torch's "Optimizer.step#..." range)
+    all_reduce, all_gather, reduce_scatter, reduce, broadcast
+                each collective's own time as the backend runs it: gloo's worker threads (gloo:all_reduce, ...);
+                NCCL's kernels on a GPU (ncclKernel_AllReduce, ...); gloo runs reduce_scatter as an all-reduce and
+                a copy, which count to reduce_scatter
+    unattributed  the step's wall time less the above: Python between ops, waits on other processes not inside a
+                collective, and (negative) time where a collective overlapped the training thread
+Seconds per optimizer step, the mean over the profiled steps, written to OUT/profile/rank<R>.json. On a GPU the
+compute and copies are the CUDA kernels' time (not tried here: no GPU).
+
+Planned: costs.step_costs's terms split the same way (costs.components)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast")
+COMPONENTS = ("compute", "copies", "optimizer", *COLLECTIVES, "unattributed")
+TOP_OPS = 12
+COPY_OPS = ("aten::copy_", "aten::cat", "aten::clone", "aten::zero_", "aten::fill_", "aten::add_", "aten::_to_copy")
+# How each backend names its collectives: gloo's worker-thread ranges, NCCL's kernels, c10d's own ops.
+COLLECTIVE_NAMES = {
+    "all_reduce": ("gloo:all_reduce", "AllReduce", "allreduce"),
+    "all_gather": ("gloo:all_gather", "AllGather", "allgather"),
+    "reduce_scatter": ("gloo:reduce_scatter", "ReduceScatter", "reduce_scatter"),
+    "reduce": ("gloo:reduce", "ncclKernel_Reduce", "ncclDevKernel_Reduce", "c10d::reduce_"),
+    "broadcast": ("gloo:broadcast", "Broadcast", "broadcast"),
+}
+
+
+def collective_of(name: str) -> str | None:
+    for kind, names in COLLECTIVE_NAMES.items():
+        if any(n in name for n in names):
+            return kind
+    return None
+
+
+def ancestors(e):
+    while e is not None:
+        yield e
+        e = e.cpu_parent
+
+
+def split_events(events, steps: int) -> tuple[dict, dict]:
+    """Seconds per step of each component from a profile's events (see the module's docstring), and of the training
+    thread's ops that took the most (by component: "copies: aten::copy_")."""
+    found, ops = dict.fromkeys(COMPONENTS, 0.0), {}
+    step_events = [e for e in events if e.name.startswith("ProfilerStep")]
+    if not step_events:
+        return found, ops
+    main = step_events[0].thread
+    wall = sum(e.cpu_time_total for e in step_events)
+    gpu = any(e.device_type == torch.autograd.DeviceType.CUDA for e in events)
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CUDA:  # a kernel: its device time
+            kind = collective_of(e.name)
+            key = kind or ("copies" if "emcpy" in e.name or "emset" in e.name else "compute")
+            found[key] += e.self_device_time_total
+            continue
+        if e.thread != main:  # a backend's worker: counted in collective_spans
+            continue
+        chain = list(ancestors(e))
+        names = [a.name for a in chain]
+        if e.name.startswith("c10d::") or e.name.startswith("ProfilerStep"):
+            continue
+        if any(n.startswith("c10d::") for n in names[1:]):
+            continue  # inside a collective's own op (its copies): the collective's time
+        if gpu:
+            continue  # the training thread only launches kernels
+        if any(n.startswith("Optimizer.step") for n in names):
+            key = "optimizer"
+        elif e.name in COPY_OPS:
+            key = "copies"
+        else:
+            key = "compute"
+        found[key] += e.self_cpu_time_total
+        ops[f"{key}: {e.name}"] = ops.get(f"{key}: {e.name}", 0.0) + e.self_cpu_time_total
+    for kind, seconds in collective_spans(events, main).items():
+        found[kind] += seconds
+    busy = sum(v for k, v in found.items() if k != "unattributed")
+    found["unattributed"] = wall - busy
+    top = dict(sorted(ops.items(), key=lambda kv: -kv[1])[:TOP_OPS])
+    return {k: v / 1e6 / steps for k, v in found.items()}, {k: v / 1e6 / steps for k, v in top.items()}
+
+
+def collective_spans(events, main) -> dict:
+    """Microseconds of each collective over the profile on the CPU: from a c10d op's start on the training thread to
+    the end of the backend's work it started (gloo's worker ranges that begin inside it, or its own end)."""
+    spans = dict.fromkeys(COLLECTIVES, 0.0)
+    workers = sorted((e for e in events if e.thread != main and e.name.startswith("gloo:")),
+                     key=lambda e: e.time_range.start)  # fmt: skip
+    for e in events:
+        if e.thread != main or not e.name.startswith("c10d::") or e.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        if any(a.name.startswith("c10d::") for a in ancestors(e.cpu_parent)):
+            continue
+        kind = collective_of(e.name)
+        if kind is None:
+            continue
+        start, end = e.time_range.start, e.time_range.end
+        for w in workers:
+            if start <= w.time_range.start <= end:
+                end = max(end, w.time_range.end)
+        spans[kind] += end - start
+    return spans
+
+
+class Profiler:
+    """train.py's --profile_steps: profiles steps 2 to N + 1 of this process (the first warms up) and writes the
+    split to OUT/profile/rank<R>.json when they are done. A no-op for N = 0."""
+
+    def __init__(self, steps: int, out: Path, rank: int, first_step: int):
+        self.steps, self.path, self.prof = steps, Path(out) / "profile" / f"rank{rank}.json", None
+        if steps <= 0:
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        schedule = torch.profiler.schedule(wait=0, warmup=1, active=steps, repeat=1)
+        self.prof = torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=self.write)
+        self.prof.start()
+        self.first_step = first_step
+
+    def step(self) -> None:
+        if self.prof is not None:
+            self.prof.step()
+
+    def write(self, prof) -> None:
+        split, top = split_events(prof.events(), self.steps)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        record = {"steps": self.steps, "first_step": self.first_step + 2, "seconds_per_step": split, "top_ops": top}
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record, indent=1) + "\n")
+        tmp.replace(self.path)
+        self.prof.stop()
+        self.prof = None
+
+
+def planned(step: dict, machine) -> dict:
+    """costs.step_costs's seconds per step (step) split into COMPONENTS: the optimizer's own pass over its state (28
+    B per parameter it updates, at the held-memory rate), the host Adam and Muon's Newton-Schulz are the optimizer;
+    the rest of the held and fresh copies, and offload's transfers, are copies; each collective its bytes over its
+    measured bandwidth."""
+    moved = step["traffic"]
+    optimizer = moved["memory_optimizer"] / machine.memory_gb_s / 1e9
+    split = dict.fromkeys(COMPONENTS, 0.0)
+    split.update(
+        compute=step["compute_s"],
+        copies=step["copies_s"] - optimizer + step["offload_s"],
+        optimizer=optimizer + step["host_adam_s"] + step["newton_schulz_s"],
+        all_reduce=moved["all_reduce"] / machine.link_gb_s / 1e9,
+        all_gather=moved["all_gather"] / machine.gather_gb_s / 1e9,
+        reduce_scatter=moved["reduce_scatter"] / machine.scatter_gb_s / 1e9,
+    )
+    return split
+
+
+def measured(out: Path) -> dict | None:
+    """The mean over the processes of OUT/profile/rank*.json's seconds per step; None when the run was not profiled."""
+    files = sorted((Path(out) / "profile").glob("rank*.json"))
+    if not files:
+        return None
+    splits = [json.loads(f.read_text())["seconds_per_step"] for f in files]
+    return {k: sum(s.get(k, 0.0) for s in splits) / len(splits) for k in COMPONENTS}
+
+
+def table(plan: dict, got: dict | None, measured_step_s: float | None, title: str) -> list[str]:
+    """Planned beside measured seconds per step, by component, and the totals (the profiled steps run slower than the
+    others: the profiler's own cost, so the unprofiled step time is shown too)."""
+    lines = [title, f"  {'component':<15}{'planned s':>11}{'measured s':>12}{'measured/planned':>18}"]
+    for k in COMPONENTS:
+        p, m = plan.get(k, 0.0), (got or {}).get(k)
+        if p == 0 and not m:
+            continue
+        ratio = f"{m / p:.2f}" if m is not None and p > 0 else "-"
+        lines.append(f"  {k:<15}{p:>11.4f}{(f'{m:.4f}' if m is not None else '-'):>12}{ratio:>18}")
+    total_m = sum(got.values()) if got else None
+    lines.append(f"  {'step (profiled)':<15}{sum(plan.values()):>11.4f}"
+                 f"{(f'{total_m:.4f}' if total_m is not None else '-'):>12}")  # fmt: skip
+    if measured_step_s is not None:
+        lines.append(f"  {'step (not profiled)':<15}{'':>7}{measured_step_s:>12.4f}   measured/planned "
+                     f"{measured_step_s / sum(plan.values()):.2f}")  # fmt: skip
+    return lines
+
+
+def step_seconds(out: Path, tokens_per_step: int, profiled_until: int) -> float | None:
+    """Seconds per step the run logged (OUT/metrics.jsonl), over the log intervals after the first (the warm-up) that
+    hold no profiled step; None when there is none."""
+    records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records = [r for r in records if r.get("tokens_per_s")]
+    kept = [r for prev, r in zip(records, records[1:]) if prev["step"] >= max(profiled_until, 1)]
+    return tokens_per_step / (sum(r["tokens_per_s"] for r in kept) / len(kept)) if kept else None
+
+
+def from_run(out: str) -> list[str]:
+    """`train.py --plan --from_run OUT`: the plan the run made at start (OUT/plan.json: its launch, the figures it
+    measured, the planned seconds per component) beside what it measured: its profile (--profile_steps) and its
+    logged step time."""
+    from deepseek_zero3.cli import UserError
+
+    path = Path(out) / "plan.json"
+    try:
+        plan = json.loads(path.read_text())
+        profiles = sorted((Path(out) / "profile").glob("rank*.json"))
+        until = json.loads(profiles[0].read_text())["steps"] + 1 if profiles else 0
+        step_s = step_seconds(out, plan["tokens_per_step"], until)
+        got = measured(out)
+    except FileNotFoundError as e:
+        raise UserError(f"--from_run {out}: {e.filename} is missing; a run of train.py writes plan.json at start "
+                        f"(and profile/ with --profile_steps N, metrics.jsonl as it logs)") from None  # fmt: skip
+    except (ValueError, KeyError, ZeroDivisionError) as e:
+        raise UserError(f"--from_run {out}: {path} or the files beside it are damaged ({e!r})") from None
+    m, launch = plan["machine"], plan["launch"]
+    lines = table(
+        plan["planned_s"], got, step_s,
+        f"{out}: {plan['strategy']}, {launch['world_size']} processes, {launch['precision']}, micro-batch "
+        f"{plan['micro_batch_size']} x {launch['grad_accum_steps']} accumulation; seconds per optimizer step, planned "
+        f"from what the run measured at start (all-reduce {m['link_gb_s']:.3g}, all-gather {m['gather_gb_s']:.3g}, "
+        f"reduce-scatter {m['scatter_gb_s']:.3g} GB/s, copies {m['memory_gb_s']:.3g} / {m['fresh_memory_gb_s']:.3g} "
+        f"GB/s, compute {m['flops_per_device'] / 1e12:.3g} TFLOP/s per process)",
+    )  # fmt: skip
+    if got is None:
+        lines.append(f"  (no profile in {out}/profile: run with --profile_steps 3 for the measured components)")
+    return lines
