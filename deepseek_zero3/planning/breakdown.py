@@ -2,24 +2,29 @@
 --plan --from_run, bench/strategy_vs_plan.py --breakdown).
 
 Measured: torch's profiler over --profile_steps optimizer steps of each process (after the first step, which warms
-up), its events sorted into the plan's components:
+up), the training thread's time sorted into the plan's components (split_events):
     compute     what the training thread runs that is none of the below (forward, loss, backward, the rest)
-    copies      aten copy_/cat/clone/zero_/fill_/add_ outside the optimizer: gradient buckets, flattening, gathers
+    copies      aten copy_/cat/clone/zero_/fill_/add_/_to_copy outside the optimizer and the collectives: gradient
+                buckets, flattening, gathered parameters
     optimizer   everything under the optimizer's step (torch's "Optimizer.step#..." range)
     all_reduce, all_gather, reduce_scatter, reduce, broadcast
-                each collective's own time as the backend runs it: gloo's worker threads (gloo:all_reduce, ...);
-                NCCL's kernels on a GPU (ncclKernel_AllReduce, ...); gloo runs reduce_scatter as an all-reduce and
-                a copy, which count to reduce_scatter
-    unattributed  the step's wall time less the above: Python between ops, waits on other processes not inside a
-                collective, and (negative) time where a collective overlapped the training thread
-Seconds per optimizer step, the mean over the profiled steps, written to OUT/profile/rank<R>.json. On a GPU the
-compute and copies are the CUDA kernels' time (not tried here: no GPU).
+                the time the training thread spends inside the collective's c10d op (and its copies: gloo runs
+                reduce_scatter as an all-reduce and a copy) or waits, idle, while a gloo worker runs it
+    unattributed  the step's wall time less the above: Python between ops, waits no collective covers
+Seconds per optimizer step, the mean over the profiled steps, written to OUT/profile/rank<R>.json with the ops that
+took the most, and the timeline beside it (rank<R>.trace.json, for Perfetto or chrome://tracing). On a GPU each
+component is its CUDA kernels' time (NCCL's kernels for the collectives) and unattributed the rest of the step (not
+tried here: no GPU).
 
-Planned: costs.step_costs's terms split the same way (costs.components)."""
+Planned: costs.step_costs's terms split the same way (planned); both side by side (table) for a run (from_run) and
+in bench/strategy_vs_plan.py --breakdown.
+"""
 
 from __future__ import annotations
 
+import bisect
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -53,31 +58,33 @@ def ancestors(e):
 
 def split_events(events, steps: int) -> tuple[dict, dict]:
     """Seconds per step of each component from a profile's events (see the module's docstring), and of the training
-    thread's ops that took the most (by component: "copies: aten::copy_")."""
+    thread's ops that took the most (by component: "copies: aten::copy_").
+
+    On the CPU each op of the training thread counts its own time (children apart) to its component; an op inside a
+    collective's c10d op, to that collective. Where the training thread runs nothing, it waits: that time goes to the
+    collective a backend worker runs meanwhile (gloo:all_reduce, ...), and what no worker covers is unattributed. A
+    collective that overlaps the training thread's work (DDP's bucket all-reduce during backward) costs nothing here,
+    as it costs the step nothing."""
     found, ops = dict.fromkeys(COMPONENTS, 0.0), {}
     step_events = [e for e in events if e.name.startswith("ProfilerStep")]
     if not step_events:
         return found, ops
+    cpu = torch.autograd.DeviceType.CPU
     main = step_events[0].thread
-    wall = sum(e.cpu_time_total for e in step_events)
+    steps_span = sorted((e.time_range.start, e.time_range.end) for e in step_events)
+    wall = sum(end - start for start, end in steps_span)
     gpu = any(e.device_type == torch.autograd.DeviceType.CUDA for e in events)
+    mine = [e for e in events if e.thread == main and e.device_type == cpu and not e.name.startswith("ProfilerStep")]
     for e in events:
         if e.device_type == torch.autograd.DeviceType.CUDA:  # a kernel: its device time
             kind = collective_of(e.name)
-            key = kind or ("copies" if "emcpy" in e.name or "emset" in e.name else "compute")
-            found[key] += e.self_device_time_total
-            continue
-        if e.thread != main:  # a backend's worker: counted in collective_spans
-            continue
-        chain = list(ancestors(e))
-        names = [a.name for a in chain]
-        if e.name.startswith("c10d::") or e.name.startswith("ProfilerStep"):
-            continue
-        if any(n.startswith("c10d::") for n in names[1:]):
-            continue  # inside a collective's own op (its copies): the collective's time
-        if gpu:
-            continue  # the training thread only launches kernels
-        if any(n.startswith("Optimizer.step") for n in names):
+            found[kind or ("copies" if "emcpy" in e.name or "emset" in e.name else "compute")] += e.self_device_time_total
+    for e in [] if gpu else mine:  # on a GPU the training thread only launches kernels
+        names = [a.name for a in ancestors(e)]
+        c10d = next((n for n in names if n.startswith("c10d::")), None)
+        if c10d is not None:
+            key = collective_of(c10d) or "compute"
+        elif any(n.startswith("Optimizer.step") for n in names):
             key = "optimizer"
         elif e.name in COPY_OPS:
             key = "copies"
@@ -85,34 +92,53 @@ def split_events(events, steps: int) -> tuple[dict, dict]:
             key = "compute"
         found[key] += e.self_cpu_time_total
         ops[f"{key}: {e.name}"] = ops.get(f"{key}: {e.name}", 0.0) + e.self_cpu_time_total
-    for kind, seconds in collective_spans(events, main).items():
-        found[kind] += seconds
-    busy = sum(v for k, v in found.items() if k != "unattributed")
-    found["unattributed"] = wall - busy
+    if not gpu:
+        for kind, waited in waits(mine, events, main, steps_span).items():
+            found[kind] += waited
+    found["unattributed"] = wall - sum(v for k, v in found.items() if k != "unattributed")
     top = dict(sorted(ops.items(), key=lambda kv: -kv[1])[:TOP_OPS])
     return {k: v / 1e6 / steps for k, v in found.items()}, {k: v / 1e6 / steps for k, v in top.items()}
 
 
-def collective_spans(events, main) -> dict:
-    """Microseconds of each collective over the profile on the CPU: from a c10d op's start on the training thread to
-    the end of the backend's work it started (gloo's worker ranges that begin inside it, or its own end)."""
-    spans = dict.fromkeys(COLLECTIVES, 0.0)
-    workers = sorted((e for e in events if e.thread != main and e.name.startswith("gloo:")),
-                     key=lambda e: e.time_range.start)  # fmt: skip
-    for e in events:
-        if e.thread != main or not e.name.startswith("c10d::") or e.device_type != torch.autograd.DeviceType.CPU:
-            continue
-        if any(a.name.startswith("c10d::") for a in ancestors(e.cpu_parent)):
-            continue
-        kind = collective_of(e.name)
-        if kind is None:
-            continue
-        start, end = e.time_range.start, e.time_range.end
-        for w in workers:
-            if start <= w.time_range.start <= end:
-                end = max(end, w.time_range.end)
-        spans[kind] += end - start
-    return spans
+def kind_at(calls, starts, worker) -> str:
+    """The collective of the last call (start, kind) the training thread made before `worker` began; else its name's."""
+    i = bisect.bisect_right(starts, worker.time_range.start) - 1
+    return calls[i][1] if i >= 0 else collective_of(worker.name) or "all_reduce"
+
+
+def waits(mine, events, main, steps_span) -> dict:
+    """Microseconds the training thread ran nothing (inside the profiled steps) while a backend worker ran a
+    collective, by collective."""
+    busy = sorted((e.time_range.start, e.time_range.end) for e in mine if e.cpu_parent is None
+                  or e.cpu_parent.name.startswith("ProfilerStep"))  # fmt: skip
+    gaps, cursor = [], None
+    for start, end in steps_span:
+        cursor = start
+        for b_start, b_end in busy:
+            if b_end <= cursor or b_start >= end:
+                continue
+            if b_start > cursor:
+                gaps.append((cursor, b_start))
+            cursor = max(cursor, b_end)
+        if cursor < end:
+            gaps.append((cursor, end))
+    # A worker's collective is the one the training thread last called (gloo runs a reduce-scatter as an all-reduce)
+    calls = sorted((e.time_range.start, collective_of(e.name)) for e in mine if e.name.startswith("c10d::")
+                   and collective_of(e.name) and not any(a.name.startswith("c10d::") for a in ancestors(e.cpu_parent)))
+    starts = [start for start, _ in calls]
+    workers = sorted((e.time_range.start, e.time_range.end, kind_at(calls, starts, e)) for e in events
+                     if e.thread != main and e.name.startswith("gloo:"))  # fmt: skip
+    waited = dict.fromkeys(COLLECTIVES, 0.0)
+    for g_start, g_end in gaps:
+        at = g_start
+        for w_start, w_end, kind in workers:
+            if w_end <= at or w_start >= g_end:
+                continue
+            piece = min(g_end, w_end) - max(at, w_start)
+            if piece > 0:
+                waited[kind] += piece
+                at = min(g_end, w_end)
+    return waited
 
 
 class Profiler:
@@ -142,6 +168,7 @@ class Profiler:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(record, indent=1) + "\n")
         tmp.replace(self.path)
+        prof.export_chrome_trace(str(self.path.with_suffix(".trace.json")))  # the timeline, for Perfetto or chrome://tracing
         self.prof.stop()
         self.prof = None
 
@@ -165,9 +192,14 @@ def planned(step: dict, machine) -> dict:
     return split
 
 
+def profile_files(out) -> list[Path]:
+    """OUT/profile/rank<R>.json of every process (not the timelines beside them)."""
+    return sorted(f for f in (Path(out) / "profile").glob("rank*.json") if re.fullmatch(r"rank\d+\.json", f.name))
+
+
 def measured(out: Path) -> dict | None:
     """The mean over the processes of OUT/profile/rank*.json's seconds per step; None when the run was not profiled."""
-    files = sorted((Path(out) / "profile").glob("rank*.json"))
+    files = profile_files(out)
     if not files:
         return None
     splits = [json.loads(f.read_text())["seconds_per_step"] for f in files]
@@ -211,7 +243,7 @@ def from_run(out: str) -> list[str]:
     path = Path(out) / "plan.json"
     try:
         plan = json.loads(path.read_text())
-        profiles = sorted((Path(out) / "profile").glob("rank*.json"))
+        profiles = profile_files(out)
         until = json.loads(profiles[0].read_text())["steps"] + 1 if profiles else 0
         step_s = step_seconds(out, plan["tokens_per_step"], until)
         got = measured(out)

@@ -232,8 +232,8 @@ def traffic(counts: dict, launch: Launch, gradient_checkpointing: bool, muon: in
     strategy's gradient and parameter copies ("memory", read + written), and, per machine, to and from NVMe.
 
     The copies, as DDP's reducer and DeepSpeed 0.19's ZeRO code make them: DDP copies the fp32 gradients into its
-    buckets and back once per step; ZeRO-2 copies each micro-step's gradients into its bucket, flattens the bucket
-    for the all-reduce and copies its partition out, and writes the gathered parameters once per step; ZeRO-3 writes
+    buckets and back once per step; ZeRO-2 copies each micro-step's gradients into its bucket (a fresh buffer every
+    micro-step), divides it in place, flattens it for the all-reduce and copies its partition out, and writes the gathered parameters once per step; ZeRO-3 writes
     the gathered parameters of every gather, flattens the gradients for the reduce-scatter and copies its partition
     out. Adam reads weights, gradients, m and v and writes weights, m and v (28 B per fp32 parameter it updates).
     Muon under ZeRO-3 (muon: its parameters) all-gathers, once per step, the fp32 gradients and momentum of its
@@ -249,11 +249,15 @@ def traffic(counts: dict, launch: Launch, gradient_checkpointing: bool, muon: in
         held, fresh = 4 * 4 * p, 0.0
     elif stage in (1, 2):
         # DeepSpeed's ZeRO-2 all-reduces each gradient bucket and keeps its partition (its default
-        # use_multi_rank_bucket_allreduce), every micro-step; the updated parameters are all-gathered once.
+        # use_multi_rank_bucket_allreduce), every micro-step; the updated parameters are all-gathered once. Its
+        # gradient bucket is a fresh buffer every micro-step (setup_buckets allocates it, the step releases it):
+        # copying the gradients in pays fresh pages, as flattening does (a profile of a rank: those copies ran at the
+        # fresh rate, and the plan that counted them as held missed ZeRO-2's step by 1.3x). The bucket is divided
+        # in place by the processes before the all-reduce.
         moved["all_reduce"] = accum * 2 * ring * param_b * p
         moved["all_gather"] = ring * param_b * p
-        held = accum * (2 * param_b * p + 2 * param_b * p / n)
-        fresh = accum * 2 * param_b * p + 2 * param_b * p
+        held = accum * (2 * param_b * p + 2 * param_b * p / n)  # the divide; the partition copied out
+        fresh = accum * 2 * 2 * param_b * p + 2 * param_b * p  # the bucket; its flattened copy; the parameters gathered
     else:
         moved["all_gather"] = accum * gathers * ring * param_b * p
         moved["reduce_scatter"] = accum * ring * param_b * p

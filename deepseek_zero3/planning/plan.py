@@ -15,7 +15,7 @@ from deepseek_zero3.cli import UserError
 from deepseek_zero3.distributed import read_launch
 from deepseek_zero3.planning import breakdown, costs, measure, model_math
 from deepseek_zero3.planning.model_math import GIB
-from deepseek_zero3.recipe import scaling
+from deepseek_zero3.recipe import optimizer, scaling
 from deepseek_zero3.tokens import mixture
 from deepseek_zero3.tokens.token_data import num_windows
 
@@ -134,6 +134,7 @@ def print_plan(cfg, model_config) -> None:
     """`train.py --plan [--compare]`: the plan on paper for --accelerate_config (default: the CPU config, or the
     3-GPU ZeRO-3 config with --compare), with no process group and no GPU."""
     check_plan_flags(cfg)
+    cfg = optimizer.pick(cfg)  # --optimizer auto: the preset's
     default = "accelerate_configs/zero3_3gpu.yaml" if cfg.compare else "accelerate_configs/zero3_cpu.yaml"
     path = cfg.accelerate_config or default
     launch = read_launch(path)
