@@ -77,7 +77,8 @@ class Config:
     decay_branch: int = field(0, "decay the LR to its floor over this many steps from the checkpoint given to "
                                  "--resume, then export: a finished model in a new --output_dir, the run left to go on")
     decay_start_step: int = field(0, "the step a decay branch starts at (set by --decay_branch; 0: none)")
-    optimizer: str = field("adamw", "adamw, or muon: Muon for the hidden matrices, AdamW for embedding, head, norms")
+    optimizer: str = field("auto", "adamw, muon (Muon for the hidden matrices, AdamW for embedding, head and norms), "
+                                   "or auto: muon for the presets it won on in bench/muon.py (mini), else adamw")
     muon_lr: float = field(0.02, "Muon's peak learning rate (the schedule scales it as it scales --lr)")
     muon_momentum: float = field(0.95, "Muon's (Nesterov) momentum")
     muon_weight_decay: float = field(0.0, "Muon's decoupled weight decay")
@@ -301,9 +302,9 @@ def check(cfg: Config, given: set[str], accelerator) -> Run:
             models.check_init_from(cfg.init_from, tokenizer, data.meta["eos_id"])
         model_config = models.load_model_config(cfg.model_config, cfg.init_from, cfg.seq_len, data.meta)
     cfg = dataclasses.replace(cfg, mtp_depth=mtp.depth_of(cfg.mtp_depth, model_config))  # -1: the model's own
-    cfg = optimizer_lib.resolve_clipping(cfg, given)
-    check_flags(cfg)  # the depth resolved is below --seq_len too
     launch = distributed.live_launch(accelerator)
+    cfg = optimizer_lib.resolve(cfg, given, launch)  # auto: by preset and launch; Muon: unclipped
+    check_flags(cfg)  # the depth resolved is below --seq_len too
     optimizer_lib.check(cfg, launch)
     batch = token_data.BatchPlan(cfg.micro_batch_size, launch.grad_accum_steps, launch.world_size, cfg.seq_len)
     total_steps = token_data.total_steps_for(cfg.max_steps, cfg.num_epochs, data.n_windows, batch.sequences_per_step)
@@ -322,7 +323,7 @@ def check_resume(run: Run, given: set[str]) -> str | None:
     --lr_decay_steps, a decay branch)."""
     state, path = run.resume.state, run.resume.path
     checkpoint.check_resume_compatible(state, run.identity(), path)
-    reshard.check_global_batch(state, run.batch, path)
+    reshard.check_launch(state, run.launch, run.batch, path)
     if state["step"] > run.total_steps:
         raise UserError(
             f"cannot resume {path}: it is at step {state['step']}, beyond this run's {run.total_steps} steps; raise "
@@ -520,8 +521,8 @@ def train(cfg: Config, given: set[str]) -> int:
         for kind in ("sigterm_launcher", "sigkill_rank", "sigstop_rank", "slow_step"):  # the crash tests' points
             cli.fault(kind, rank, step + 1)
         step += 1
-        profiler.step()
         stop_requested = resilience.any_process(accelerator, bool(stop_signals.received))  # all after the same step
+        profiler.step(last=stop_requested or step == run.total_steps)
         # The loss logged is the mean over the steps taken (reduced over processes at the log step).
         if not skips.after_step(step, skip):
             interval.loss_sum, interval.counted = interval.loss_sum + loss_sum / accum, interval.counted + 1

@@ -152,6 +152,8 @@ def train_py_rate(
             "4096",
             "--save_every",
             "0",
+            "--optimizer",
+            "adamw",  # what the bare loops and DDP run: --optimizer auto would pick Muon for mini and small
             *extra,
         ],
         env=env,

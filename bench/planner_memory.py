@@ -41,6 +41,8 @@ def main():
                 [
                     "python",
                     "train.py",
+                    "--optimizer",
+                    "adamw",  # the plan's AdamW state against the run's
                     "--data_dir",
                     str(data),
                     "--model_config",

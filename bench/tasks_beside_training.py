@@ -85,7 +85,7 @@ def main():
         first = tmp / "scored"
         sh(launcher() + ["train.py", "--data_dir", str(data), "--output_dir", str(first), "--model_config",
                          args.model_config, "--seq_len", "128", "--micro_batch_size", "4",
-                         "--max_steps", "2"])  # fmt: skip
+                         "--max_steps", "2", "--optimizer", "adamw"])  # fmt: skip
         ckpt = first / "checkpoints" / "step_2"
         alone, beside, scoring_s = [], [], []
         for r in range(args.rounds):

@@ -162,6 +162,7 @@ def train_py_round(data: Path, out: Path, steps: int) -> dict:
     cmd = LAUNCH + ["--main_process_port", str(free_port()), "train.py", "--data_dir", str(data), "--output_dir"]
     cmd += [str(out), "--model_config", MODEL, "--seq_len", str(SEQ_LEN), "--micro_batch_size", str(MICRO_BATCH)]
     cmd += ["--max_steps", str(steps), "--eval_every", "0", "--save_every", "0"]
+    cmd += ["--optimizer", "adamw"]  # the example's
     proc = run(cmd, OFFLINE)
     if proc.returncode != 0:
         failed(cmd, proc)

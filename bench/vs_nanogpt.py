@@ -124,7 +124,7 @@ def train_py_command(args, out: Path, lr: float, seed: int) -> list[str]:
         "seq_len": args.seq_len, "micro_batch_size": args.batch, "max_steps": args.steps,
         "warmup_steps": args.warmup, "lr": lr, "min_lr_ratio": 0.1, "weight_decay": 0.1, "adam_beta1": 0.9,
         "adam_beta2": 0.95, "max_grad_norm": 1.0, "seed": seed, "eval_tokens": 0, "eval_every": 0,
-        "save_every": 0, "log_every": 50,
+        "save_every": 0, "log_every": 50, "optimizer": "adamw",
     }  # fmt: skip
     cmd = [sys.executable, "train.py", "--no_eval_at_start"]
     for k, v in flags.items():

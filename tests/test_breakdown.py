@@ -27,7 +27,8 @@ parts = {"compute": lambda: [a @ a for _ in range(40)], "copies": lambda: into.c
 def ready(prof):
     result["split"] = breakdown.split_events(prof.events(), steps)[0]
 sched = torch.profiler.schedule(wait=0, warmup=1, active=steps, repeat=1)
-with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], schedule=sched, on_trace_ready=ready) as p:
+cpu = [torch.profiler.ProfilerActivity.CPU]
+with torch.profiler.profile(activities=cpu, schedule=sched, on_trace_ready=ready) as p:
     for i in range(steps + 1):
         for key, fn in parts.items():
             t0 = time.perf_counter(); fn(); timed[key] = timed.get(key, 0.0) + (i > 0) * (time.perf_counter() - t0)

@@ -4,6 +4,7 @@ real runs: 3 processes == 1 and stop/resume == straight under ZeRO-2 (Llama pres
 single-device class) and ZeRO-3 (DeepSeek-V3 preset with its MTP module, against one ZeRO-3 process), each with a NaN
 loss at step 3 that every process skips, as with AdamW."""
 
+import dataclasses
 import json
 import shutil
 import sys
@@ -20,6 +21,7 @@ from deepseek_zero3.cli import UserError
 from deepseek_zero3.model import mtp
 from deepseek_zero3.planning import costs, model_math
 from deepseek_zero3.recipe import optimizer as optimizer_lib
+from deepseek_zero3.run_dir import checkpoint
 
 EIGHT = ["--max_steps", "8", "--save_every", "4", "--optimizer", "muon"]
 NAN_STEP = 3  # rank 0's loss is NaN at step 3 of the straight runs: every process skips it (weights, momentum, LR)
@@ -133,10 +135,24 @@ def test_flags_and_strategies_muon_refuses():
         with pytest.raises(UserError):
             optimizer_lib.check(train.Config(**bad), None)
     cfg = train.Config(optimizer="muon")
-    assert optimizer_lib.resolve_clipping(cfg, set()).max_grad_norm == 0
+    assert optimizer_lib.resolve(cfg, set()).max_grad_norm == 0
     with pytest.raises(UserError, match="unclipped"):
-        optimizer_lib.resolve_clipping(cfg, {"max_grad_norm"})
-    assert optimizer_lib.resolve_clipping(train.Config(), {"max_grad_norm"}).max_grad_norm == 1.0
+        optimizer_lib.resolve(cfg, {"max_grad_norm"})
+    assert optimizer_lib.resolve(train.Config(), {"max_grad_norm"}).max_grad_norm == 1.0
+
+
+def test_auto_picks_muon_for_the_presets_it_won_on_and_old_runs_stay_adamw():
+    pick = lambda **kw: optimizer_lib.pick(train.Config(**kw)).optimizer
+    assert pick(model_config="mini") == "muon" and pick(model_config="tiny") == "adamw"
+    assert pick(model_config="mini", optimizer="adamw") == "adamw"
+    assert pick(model_config="mini", init_from="some/model") == "adamw"  # not the preset's weights: not benchmarked
+    with pytest.raises(UserError, match="auto's choice for --model_config mini"):
+        optimizer_lib.resolve(train.Config(model_config="mini"), {"max_grad_norm"})
+    # A checkpoint saved before --optimizer existed trained with AdamW: its resume keeps it, --optimizer auto included.
+    saved = {f: v for f, v in dataclasses.asdict(train.Config()).items() if f != "optimizer"}
+    for given in (set(), {"optimizer"}):
+        cfg, taken, _ = checkpoint.config_for_resume(train.Config(), given, saved)
+        assert cfg.optimizer == "adamw" and taken["optimizer"] == "adamw", given
 
 
 def assert_same(a_dir, b_dir, steps, rel: float, steps_of_nan=()) -> None:
@@ -170,7 +186,7 @@ def test_zero2_llama_three_processes_train_like_one_and_resume_exactly(docs_data
                   config=config, env=NAN)  # fmt: skip
     assert_processes(proc, 3)
     assert "optimizer: Muon + AdamW" in proc.stdout and "  Muon: 14 tensors" in proc.stdout and SKIPPED in proc.stdout
-    assert_same(one, three, range(1, 9), rel=1e-5, steps_of_nan=[NAN_STEP])  # measured: 6e-8, the order of the gradient sums
+    assert_same(one, three, range(1, 9), rel=1e-5, steps_of_nan=[NAN_STEP])  # measured: 6e-8 (the sums' order)
     assert_same(three, resumed(three, tmp_path, config), range(5, 9), rel=0.0)
 
 

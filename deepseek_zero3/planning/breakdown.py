@@ -22,12 +22,15 @@ in bench/strategy_vs_plan.py --breakdown.
 
 from __future__ import annotations
 
+import atexit
 import bisect
 import json
 import re
 from pathlib import Path
 
 import torch
+
+from deepseek_zero3.cli import UserError
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast")
 COMPONENTS = ("compute", "copies", "optimizer", *COLLECTIVES, "unattributed")
@@ -66,7 +69,8 @@ def split_events(events, steps: int) -> tuple[dict, dict]:
     collective that overlaps the training thread's work (DDP's bucket all-reduce during backward) costs nothing here,
     as it costs the step nothing."""
     found, ops = dict.fromkeys(COMPONENTS, 0.0), {}
-    step_events = [e for e in events if e.name.startswith("ProfilerStep")]
+    step_events = sorted((e for e in events if e.name.startswith("ProfilerStep")), key=lambda e: e.time_range.start)
+    step_events = step_events[:steps]  # a run that stopped inside the profile: the steps it completed
     if not step_events:
         return found, ops
     cpu = torch.autograd.DeviceType.CPU
@@ -74,11 +78,14 @@ def split_events(events, steps: int) -> tuple[dict, dict]:
     steps_span = sorted((e.time_range.start, e.time_range.end) for e in step_events)
     wall = sum(end - start for start, end in steps_span)
     gpu = any(e.device_type == torch.autograd.DeviceType.CUDA for e in events)
+    inside = lambda e: any(start <= e.time_range.start < end for start, end in steps_span)  # the steps kept
+    events = [e for e in events if inside(e)]
     mine = [e for e in events if e.thread == main and e.device_type == cpu and not e.name.startswith("ProfilerStep")]
     for e in events:
         if e.device_type == torch.autograd.DeviceType.CUDA:  # a kernel: its device time
             kind = collective_of(e.name)
-            found[kind or ("copies" if "emcpy" in e.name or "emset" in e.name else "compute")] += e.self_device_time_total
+            copy = "emcpy" in e.name or "emset" in e.name
+            found[kind or ("copies" if copy else "compute")] += e.self_device_time_total
     for e in [] if gpu else mine:  # on a GPU the training thread only launches kernels
         names = [a.name for a in ancestors(e)]
         c10d = next((n for n in names if n.startswith("c10d::")), None)
@@ -143,10 +150,12 @@ def waits(mine, events, main, steps_span) -> dict:
 
 class Profiler:
     """train.py's --profile_steps: profiles steps 2 to N + 1 of this process (the first warms up) and writes the
-    split to OUT/profile/rank<R>.json when they are done. A no-op for N = 0."""
+    split to OUT/profile/rank<R>.json when they are done, or when the run ends or stops before (the steps it
+    completed). A no-op for N = 0."""
 
     def __init__(self, steps: int, out: Path, rank: int, first_step: int):
-        self.steps, self.path, self.prof = steps, Path(out) / "profile" / f"rank{rank}.json", None
+        self.steps, self.path, self.prof, self.calls = steps, Path(out) / "profile" / f"rank{rank}.json", None, 0
+        self.first_step = first_step
         if steps <= 0:
             return
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -155,22 +164,33 @@ class Profiler:
         schedule = torch.profiler.schedule(wait=0, warmup=1, active=steps, repeat=1)
         self.prof = torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=self.write)
         self.prof.start()
-        self.first_step = first_step
+        atexit.register(self.close)  # a run that raises: a profiler left running crashes the interpreter's teardown
 
-    def step(self) -> None:
-        if self.prof is not None:
-            self.prof.step()
+    def step(self, last: bool = False) -> None:
+        """After each optimizer step; last: the run ends or stops after it."""
+        if self.prof is None:
+            return
+        self.prof.step()
+        self.calls += 1
+        if last or self.calls > self.steps:
+            self.close()
+
+    def close(self) -> None:
+        prof, self.prof = self.prof, None
+        if prof is not None:
+            prof.stop()  # inside the profiled steps: write() gets the ones completed
 
     def write(self, prof) -> None:
-        split, top = split_events(prof.events(), self.steps)
+        done = min(self.calls - 1, self.steps)  # the first call ends the warm-up step
+        if done < 1:
+            return
+        split, top = split_events(prof.events(), done)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        record = {"steps": self.steps, "first_step": self.first_step + 2, "seconds_per_step": split, "top_ops": top}
+        record = {"steps": done, "first_step": self.first_step + 2, "seconds_per_step": split, "top_ops": top}
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(record, indent=1) + "\n")
         tmp.replace(self.path)
-        prof.export_chrome_trace(str(self.path.with_suffix(".trace.json")))  # the timeline, for Perfetto or chrome://tracing
-        self.prof.stop()
-        self.prof = None
+        prof.export_chrome_trace(str(self.path.with_suffix(".trace.json")))  # for Perfetto or chrome://tracing
 
 
 def planned(step: dict, machine) -> dict:
@@ -199,11 +219,34 @@ def profile_files(out) -> list[Path]:
 
 def measured(out: Path) -> dict | None:
     """The mean over the processes of OUT/profile/rank*.json's seconds per step; None when the run was not profiled."""
-    files = profile_files(out)
-    if not files:
+    splits = [read_profile(f)["seconds_per_step"] for f in profile_files(out)]
+    if not splits:
         return None
-    splits = [json.loads(f.read_text())["seconds_per_step"] for f in files]
     return {k: sum(s.get(k, 0.0) for s in splits) / len(splits) for k in COMPONENTS}
+
+
+NUMBER_MAPS = ("seconds_per_step", "planned_s")  # {component: seconds}
+
+
+def read_json(path: Path, keys: dict) -> dict:
+    """A JSON object with `keys` of the given types, or a UserError naming the file."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path} is missing: a run of train.py writes plan.json at start (and profile/ with "
+                        f"--profile_steps N)") from None  # fmt: skip
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path} cannot be read ({e}); a run of train.py writes it anew at its start") from None
+    wrong = [k for k, kind in keys.items() if not isinstance(data, dict) or not isinstance(data.get(k), kind)]
+    wrong = wrong or [k for k in keys if k in NUMBER_MAPS and not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in data[k].values())]  # fmt: skip
+    if wrong:
+        raise UserError(f"{path} is not as train.py writes it: {', '.join(wrong)} missing or of another kind")
+    return data
+
+
+def read_profile(path: Path) -> dict:
+    return read_json(path, {"steps": int, "first_step": int, "seconds_per_step": dict})
 
 
 def table(plan: dict, got: dict | None, measured_step_s: float | None, title: str) -> list[str]:
@@ -220,17 +263,24 @@ def table(plan: dict, got: dict | None, measured_step_s: float | None, title: st
     lines.append(f"  {'step (profiled)':<15}{sum(plan.values()):>11.4f}"
                  f"{(f'{total_m:.4f}' if total_m is not None else '-'):>12}")  # fmt: skip
     if measured_step_s is not None:
-        lines.append(f"  {'step (not profiled)':<15}{'':>7}{measured_step_s:>12.4f}   measured/planned "
-                     f"{measured_step_s / sum(plan.values()):.2f}")  # fmt: skip
+        ratio = f"{measured_step_s / sum(plan.values()):.2f}" if sum(plan.values()) > 0 else "-"
+        lines.append(f"  {'step (not profiled)':<22}{measured_step_s:>16.4f}   measured/planned {ratio}")
     return lines
 
 
 def step_seconds(out: Path, tokens_per_step: int, profiled_until: int) -> float | None:
     """Seconds per step the run logged (OUT/metrics.jsonl), over the log intervals after the first (the warm-up) that
-    hold no profiled step; None when there is none."""
-    records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    records = [r for r in records if r.get("tokens_per_s")]
-    kept = [r for prev, r in zip(records, records[1:]) if prev["step"] >= max(profiled_until, 1)]
+    hold no profiled step; None when there is none. A torn or foreign line is passed over."""
+    records = []
+    for line in (Path(out) / "metrics.jsonl").read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        rate = record.get("tokens_per_s") if isinstance(record, dict) else None
+        if isinstance(rate, (int, float)) and rate > 0:
+            records.append(record)
+    kept = [r for prev, r in zip(records, records[1:]) if prev.get("step", 0) >= max(profiled_until, 1)]
     return tokens_per_step / (sum(r["tokens_per_s"] for r in kept) / len(kept)) if kept else None
 
 
@@ -238,29 +288,30 @@ def from_run(out: str) -> list[str]:
     """`train.py --plan --from_run OUT`: the plan the run made at start (OUT/plan.json: its launch, the figures it
     measured, the planned seconds per component) beside what it measured: its profile (--profile_steps) and its
     logged step time."""
-    from deepseek_zero3.cli import UserError
-
-    path = Path(out) / "plan.json"
+    plan = read_json(Path(out) / "plan.json", {"strategy": str, "launch": dict, "micro_batch_size": int,
+                                              "tokens_per_step": int, "machine": dict, "planned_s": dict})  # fmt: skip
+    profiles = [read_profile(f) for f in profile_files(out)]
+    until = max((p["first_step"] + p["steps"] - 1 for p in profiles), default=0)
     try:
-        plan = json.loads(path.read_text())
-        profiles = profile_files(out)
-        until = json.loads(profiles[0].read_text())["steps"] + 1 if profiles else 0
         step_s = step_seconds(out, plan["tokens_per_step"], until)
-        got = measured(out)
-    except FileNotFoundError as e:
-        raise UserError(f"--from_run {out}: {e.filename} is missing; a run of train.py writes plan.json at start "
-                        f"(and profile/ with --profile_steps N, metrics.jsonl as it logs)") from None  # fmt: skip
-    except (ValueError, KeyError, ZeroDivisionError) as e:
-        raise UserError(f"--from_run {out}: {path} or the files beside it are damaged ({e!r})") from None
+    except OSError as e:
+        raise UserError(f"--from_run {out}: {e.filename or 'metrics.jsonl'} cannot be read ({e.strerror or e})") \
+            from None
     m, launch = plan["machine"], plan["launch"]
-    lines = table(
-        plan["planned_s"], got, step_s,
-        f"{out}: {plan['strategy']}, {launch['world_size']} processes, {launch['precision']}, micro-batch "
-        f"{plan['micro_batch_size']} x {launch['grad_accum_steps']} accumulation; seconds per optimizer step, planned "
-        f"from what the run measured at start (all-reduce {m['link_gb_s']:.3g}, all-gather {m['gather_gb_s']:.3g}, "
-        f"reduce-scatter {m['scatter_gb_s']:.3g} GB/s, copies {m['memory_gb_s']:.3g} / {m['fresh_memory_gb_s']:.3g} "
-        f"GB/s, compute {m['flops_per_device'] / 1e12:.3g} TFLOP/s per process)",
-    )  # fmt: skip
-    if got is None:
+    try:
+        title = (f"{out}: {plan['strategy']}, {launch['world_size']} processes, {launch['precision']}, micro-batch "
+                 f"{plan['micro_batch_size']} x {launch['grad_accum_steps']} accumulation; seconds per optimizer step, "
+                 f"planned from what the run found at start (all-reduce {m['link_gb_s']:.3g}, all-gather "
+                 f"{m['gather_gb_s']:.3g}, reduce-scatter {m['scatter_gb_s']:.3g} GB/s {m.get('link_source', '')}, "
+                 f"copies {m['memory_gb_s']:.3g} "
+                 f"/ {m['fresh_memory_gb_s']:.3g} GB/s, compute {m['flops_per_device'] / 1e12:.3g} TFLOP/s per "
+                 f"process)")
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"{Path(out) / 'plan.json'} is not as train.py writes it: its launch or machine lacks {e}") \
+            from None
+    lines = table(plan["planned_s"], measured(out), step_s, title)
+    if not profiles:
         lines.append(f"  (no profile in {out}/profile: run with --profile_steps 3 for the measured components)")
+    elif step_s is None:
+        lines.append("  (no log interval after the profiled steps and the first: --log_every smaller, or more steps)")
     return lines

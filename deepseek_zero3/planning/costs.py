@@ -233,7 +233,8 @@ def traffic(counts: dict, launch: Launch, gradient_checkpointing: bool, muon: in
 
     The copies, as DDP's reducer and DeepSpeed 0.19's ZeRO code make them: DDP copies the fp32 gradients into its
     buckets and back once per step; ZeRO-2 copies each micro-step's gradients into its bucket (a fresh buffer every
-    micro-step), divides it in place, flattens it for the all-reduce and copies its partition out, and writes the gathered parameters once per step; ZeRO-3 writes
+    micro-step), divides it in place, flattens it for the all-reduce and copies its partition out, and writes the
+    gathered parameters once per step; ZeRO-3 writes
     the gathered parameters of every gather, flattens the gradients for the reduce-scatter and copies its partition
     out. Adam reads weights, gradients, m and v and writes weights, m and v (28 B per fp32 parameter it updates).
     Muon under ZeRO-3 (muon: its parameters) all-gathers, once per step, the fp32 gradients and momentum of its
@@ -515,7 +516,8 @@ def compare(c, cfg, launch: Launch, machine: Machine, base: float) -> tuple[list
         lines.append(
             f"{s.config:<31} {f'{micro} x {per_process // micro}':>11} {k['need'] / GIB:>8.1f} {k['host'] / GIB:>8.0f} "
             f"{k['traffic']['link'] / 1e9:>8.1f} {k['traffic']['pcie'] / 1e9:>8.1f} {k['compute_s']:>7.2f} "
-            f"{k['comm_s']:>7.2f} {k['copies_s']:>7.2f} {k['offload_s']:>7.2f} {k['host_adam_s'] + k['newton_schulz_s']:>7.2f} "
+            f"{k['comm_s']:>7.2f} {k['copies_s']:>7.2f} {k['offload_s']:>7.2f} "
+            f"{k['host_adam_s'] + k['newton_schulz_s']:>7.2f} "
             f"{k['tokens_per_s']:>9,.0f}  " + ("yes" if k["fits"] else f"no: {k['why']}")
         )
     fitting = [(k["tokens_per_s"], s, micro, per_process // micro) for s, micro, k in rows if k["fits"]]

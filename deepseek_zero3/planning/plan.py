@@ -134,10 +134,12 @@ def print_plan(cfg, model_config) -> None:
     """`train.py --plan [--compare]`: the plan on paper for --accelerate_config (default: the CPU config, or the
     3-GPU ZeRO-3 config with --compare), with no process group and no GPU."""
     check_plan_flags(cfg)
-    cfg = optimizer.pick(cfg)  # --optimizer auto: the preset's
     default = "accelerate_configs/zero3_3gpu.yaml" if cfg.compare else "accelerate_configs/zero3_cpu.yaml"
     path = cfg.accelerate_config or default
     launch = read_launch(path)
+    cfg = optimizer.pick(cfg, None if cfg.compare else launch)  # --optimizer auto: the preset's
+    if not cfg.compare:  # (--compare shows Muon's offload rows as not fitting)
+        optimizer.check(cfg, launch)
     if cfg.gradient_accumulation_steps:
         launch = dataclasses.replace(launch, grad_accum_steps=cfg.gradient_accumulation_steps)
     if cfg.compare and (not launch.gpu or launch.nodes != 1 or launch.world_size != 3):

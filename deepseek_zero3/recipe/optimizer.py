@@ -15,7 +15,7 @@ computed on whole gradients, each rank a round-robin share of the matrices, the 
 state); without DeepSpeed (DDP, one plain process) DeepSpeed's single-device class of the same update, which takes
 the 3-D expert tensors that torch.optim.Muon (2-D only) refuses. Muon with the optimizer offloaded is refused.
 
-Muon runs without gradient clipping (resolve_clipping), as the speedrun's records do. Under DeepSpeed the grad_norm a
+Muon runs without gradient clipping (resolve), as the speedrun's records do. Under DeepSpeed the grad_norm a
 run logs is the norm DeepSpeed takes: of Muon's orthogonalised updates and AdamW's gradients; without it, of the
 gradients.
 
@@ -32,12 +32,15 @@ import torch
 
 from deepseek_zero3.cli import UserError
 
-OPTIMIZERS = ("adamw", "muon")
+OPTIMIZERS = ("auto", "adamw", "muon")
+# --optimizer auto: Muon for the presets where bench/muon.py found it reaching AdamW's final loss in at most 0.8x the
+# tokens (BENCHMARKS.md, muon_<preset>); AdamW for every other model, --init_from's included.
+MUON_PRESETS = ("mini",)
 WORKING_WITH_MUON = "zero3_3gpu.yaml, zero2_3gpu.yaml, ddp_3gpu.yaml, zero3_multinode.yaml or the CPU configs"
 
 
 def shape_of(p) -> tuple:
-    return tuple(getattr(p, "ds_shape", p.shape))  # under zero.Init parameters are flat shards; ds_shape is the real one
+    return tuple(getattr(p, "ds_shape", p.shape))  # under zero.Init parameters are flat shards; ds_shape: the real
 
 
 def takes_muon(name: str, p) -> bool:
@@ -63,16 +66,30 @@ def check(cfg, launch) -> None:
         )
 
 
-def resolve_clipping(cfg, given: set[str]):
-    """Muon runs unclipped. DeepSpeed's Muon takes the global norm after orthogonalising, over Muon's updates (each a
-    matrix of singular values ~1, its norm ~ sqrt(min(rows, cols)): 33 on the tiny preset) and AdamW's gradients, and
-    clips that: --max_grad_norm 1 would shrink every step ~30x. So --max_grad_norm defaults to 0 with Muon, and a
-    value given is refused."""
+def pick(cfg, launch=None):
+    """--optimizer auto made concrete: muon for MUON_PRESETS where the launch does not offload the optimizer (which
+    Muon cannot run with), adamw otherwise."""
+    if cfg.optimizer != "auto":
+        return cfg
+    offloaded = launch is not None and launch.offload_optimizer != "none"
+    muon = cfg.model_config in MUON_PRESETS and not cfg.init_from and not offloaded
+    return dataclasses.replace(cfg, optimizer="muon" if muon else "adamw")
+
+
+def resolve(cfg, given: set[str], launch=None):
+    """pick, then: Muon runs unclipped. DeepSpeed's Muon takes the global norm after orthogonalising, over Muon's
+    updates (each a matrix of singular values ~1, its norm ~ sqrt(min(rows, cols)): 33 on the tiny preset) and AdamW's
+    gradients, and clips that: --max_grad_norm 1 would shrink every step ~30x. So --max_grad_norm defaults to 0 with
+    Muon, and a value given is refused."""
+    auto = cfg.optimizer == "auto"
+    cfg = pick(cfg, launch)
     if cfg.optimizer != "muon" or cfg.max_grad_norm == 0:
         return cfg
     if "max_grad_norm" in given:
+        which = f" (--optimizer auto's choice for --model_config {cfg.model_config})" if auto else ""
         raise UserError(
-            f"--max_grad_norm {cfg.max_grad_norm} with --optimizer muon: Muon runs unclipped (DeepSpeed's Muon would "
+            f"--max_grad_norm {cfg.max_grad_norm} with --optimizer muon{which}: Muon runs unclipped (DeepSpeed's Muon "
+            f"would "
             f"clip its orthogonalised update, whose norm is set by the matrices' shapes, not by the gradient); drop "
             f"--max_grad_norm, or train with --optimizer adamw"
         )
@@ -110,6 +127,7 @@ def make(model, cfg, accelerator=None):
     """The optimizer to hand accelerator.prepare. With the optimizer offloaded, Accelerate swaps torch's AdamW for
     DeepSpeed's CPU AdamW; any other optimizer, CPU Adam itself included, it rebuilds as Adam with L2 decay
     (accelerate's map_pytorch_optim_to_deepspeed)."""
+    cfg = pick(cfg)
     if cfg.optimizer == "muon":
         check_names(model)
     param_groups = groups(model, cfg)

@@ -37,14 +37,14 @@ RESUME_CHANGEABLE = {
 # What the run's own messages advise after a divergence or a hang: a resume may change them, and metrics.jsonl records
 # the change at that step. (Weight decay, betas and epsilon are not among them: the checkpoint's optimizer state
 # brings its own back.)
-RESUME_RETUNABLE = {"lr", "muon_lr", "min_lr_ratio", "warmup_steps", "max_grad_norm", "step_timeout_s", "max_skipped_steps",
-                    "mtp_loss_weight"}  # fmt: skip
+RESUME_RETUNABLE = {"lr", "muon_lr", "min_lr_ratio", "warmup_steps", "max_grad_norm", "step_timeout_s",
+                    "max_skipped_steps", "mtp_loss_weight"}  # fmt: skip
 # The LR schedule's length; changing it on resume needs --lr_decay_steps or --decay_branch (schedule.replan).
 SCHEDULE_LENGTH = {"max_steps", "num_epochs", "lr_decay_steps"}
 # What a checkpoint saved before a setting existed ran with, where that is not the setting's default now.
-BEFORE_THE_FIELD = {"document_masking": False, "lr_schedule": "cosine", "mtp_depth": 0}
+BEFORE_THE_FIELD = {"document_masking": False, "lr_schedule": "cosine", "mtp_depth": 0, "optimizer": "adamw"}
 # Flag values a run resolves and saves resolved (-1: the model's own depth): given again, they mean the run's own.
-RESOLVED_BY_THE_RUN = {("mtp_depth", -1)}
+RESOLVED_BY_THE_RUN = {("mtp_depth", -1), ("optimizer", "auto")}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -127,7 +127,7 @@ def config_for_resume(cfg, given: set[str], saved: dict):
     taken, changed = {}, {}
     saved = {**BEFORE_THE_FIELD, **saved} if saved else saved
     for f in dataclasses.fields(cfg):
-        if f.name not in saved or f.name in ("output_dir", "resume", "plan"):
+        if f.name not in saved or f.name in ("output_dir", "resume", "plan", "profile_steps"):  # this command's own
             continue
         ours = getattr(cfg, f.name)
         if f.name not in given or (f.name, ours) in RESOLVED_BY_THE_RUN:

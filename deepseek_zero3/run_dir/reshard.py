@@ -44,6 +44,19 @@ def global_batch(state: dict) -> int:
     return int(state["micro_batch_size"]) * int(state["grad_accum_steps"]) * saved_world_size(state)
 
 
+def check_launch(state: dict, launch, batch, path: Path) -> None:
+    """Refuse a launch that cannot continue the checkpoint: Muon's state on another number of ZeRO processes (before
+    anything is written), then another global batch (check_global_batch)."""
+    if state.get("config", {}).get("optimizer") == "muon" and needs_conversion(state, launch.world_size,
+                                                                                 launch.zero_stage):  # fmt: skip
+        raise UserError(
+            f"cannot resume {path} on {launch.world_size} processes: it holds Muon's momentum, which DeepSpeed's "
+            f"universal checkpoint does not carry (it reshards Adam's state only); resume on "
+            f"{saved_world_size(state)} processes"
+        )
+    check_global_batch(state, batch, path)
+
+
 def check_global_batch(state: dict, batch, path: Path) -> None:
     """Refuse a launch (batch: its token_data.BatchPlan) that does not continue the checkpoint's global batch, naming
     the settings that would. Accumulation is accelerate launch's --gradient_accumulation_steps."""
@@ -252,11 +265,6 @@ def prepare(run, accelerator, watchdog) -> Path | None:
             f"cannot resume {ckpt} on {run.launch.world_size} processes: with the optimizer state offloaded to NVMe, "
             f"DeepSpeed keeps it per rank outside the checkpoint's shards, so it cannot be resharded; resume on "
             f"{ranks} processes"
-        )
-    if run.resume.state.get("config", {}).get("optimizer") == "muon":
-        raise UserError(
-            f"cannot resume {ckpt} on {run.launch.world_size} processes: it holds Muon's momentum, which DeepSpeed's "
-            f"universal checkpoint does not carry (it reshards Adam's state only); resume on {ranks} processes"
         )
     accelerator.print(
         f"{ckpt} was written by {ranks} processes, this run has "
