@@ -65,3 +65,18 @@ def test_a_zero2_run_profiles_its_steps_and_the_plan_reads_them(docs_data, tmp_p
     assert "measured/planned" in shown and "  all_reduce" in shown and "step (not profiled)" in shown, shown
     refused = run([sys.executable, "train.py", "--plan", "--from_run", tmp_path], check=False)
     assert refused.returncode == 2 and "plan.json is missing" in refused.stderr, refused.stderr
+    (out / "metrics.jsonl").write_text((out / "metrics.jsonl").read_text()[:-20])  # a torn last line: passed over
+    assert "measured/planned" in run([sys.executable, "train.py", "--plan", "--from_run", out]).stdout
+    (out / "profile" / "rank1.json").write_text('{"steps": 2, "first_step": 2, "seconds_per_step": {"compute": "x"}}')
+    refused = run([sys.executable, "train.py", "--plan", "--from_run", out], check=False)
+    assert refused.returncode == 2 and "rank1.json is not as train.py writes it" in refused.stderr, refused.stderr
+
+
+def test_a_run_that_ends_inside_the_profiled_steps_writes_those_it_completed(docs_data, tmp_path):
+    """One process, 3 steps, --profile_steps 5: steps 2 and 3 are written and the process exits 0 (a profiler left
+    running crashed the interpreter's teardown: exit 139)."""
+    out = tmp_path / "short"
+    run([sys.executable, "train.py", *TINY, "--max_steps", "3", "--micro_batch_size", "2", "--profile_steps", "5",
+         "--data_dir", docs_data, "--output_dir", out])  # fmt: skip
+    profile = json.loads((out / "profile" / "rank0.json").read_text())
+    assert (profile["steps"], profile["first_step"]) == (2, 2), profile

@@ -111,7 +111,7 @@ def test_groups_follow_deepspeeds_rule_and_the_plan_counts_them(preset, depth):
 
 def test_the_plan_counts_muons_state_and_newton_schulz():
     c, _ = model_of("small", 4096)
-    launch = distributed.Launch(3, 1, "bf16", 1, "none", False, 3, True)
+    launch = distributed.Launch(3, 1, "bf16", 1, "none", False, True, 3)
     adamw = costs.memory_plan(c, launch, 1, 128, False, "sdpa")
     muon = costs.memory_plan(c, launch, 1, 128, False, "sdpa", muon=model_math.muon_params(c))
     freed = adamw["gpu"]["optimizer_states"] - muon["gpu"]["optimizer_states"]
@@ -122,12 +122,12 @@ def test_the_plan_counts_muons_state_and_newton_schulz():
     machine = costs.machine_for(cfg, launch, 1e12)
     one = costs.step_costs(c, cfg, launch, 1, machine, 0)
     assert one["newton_schulz_s"] == pytest.approx(model_math.newton_schulz_flops(c) / 3 / machine.flops_per_device)
-    offload = costs.step_costs(c, cfg, distributed.Launch(3, 1, "bf16", 1, "cpu", False, 3, True), 1, machine, 0)
+    offload = costs.step_costs(c, cfg, distributed.Launch(3, 1, "bf16", 1, "cpu", False, True, 3), 1, machine, 0)
     assert not offload["fits"] and "Muon" in offload["why"]
 
 
 def test_flags_and_strategies_muon_refuses():
-    offloaded = distributed.Launch(3, 1, "bf16", 1, "cpu", False, 3, True)
+    offloaded = distributed.Launch(3, 1, "bf16", 1, "cpu", False, True, 3)
     with pytest.raises(UserError, match="zero3_3gpu.yaml"):
         optimizer_lib.check(train.Config(optimizer="muon"), offloaded)
     optimizer_lib.check(train.Config(optimizer="adamw"), offloaded)
@@ -141,11 +141,28 @@ def test_flags_and_strategies_muon_refuses():
     assert optimizer_lib.resolve(train.Config(), {"max_grad_norm"}).max_grad_norm == 1.0
 
 
+def test_a_muon_checkpoint_on_another_zero_process_count_is_refused_before_anything_is_written():
+    from deepseek_zero3.run_dir import reshard
+    from deepseek_zero3.tokens.token_data import BatchPlan
+
+    state = {"micro_batch_size": 2, "grad_accum_steps": 1, "world_size": 3, "step": 4, "config": {"optimizer": "muon"}}
+    zero3 = lambda n: distributed.Launch(n, 1, "fp32", 1, "none", False, False, 3)
+    with pytest.raises(UserError, match="holds Muon's momentum.*resume on 3 processes"):
+        reshard.check_launch(state, zero3(2), BatchPlan(3, 1, 2, 32), Path("ckpt"))
+    reshard.check_launch(state, zero3(3), BatchPlan(2, 1, 3, 32), Path("ckpt"))  # its own count
+    adamw = {**state, "config": {"optimizer": "adamw"}}
+    reshard.check_launch(adamw, zero3(2), BatchPlan(3, 1, 2, 32), Path("ckpt"))  # Adam's state reshards
+    ddp = distributed.Launch(2, 1, "fp32", 1, "none", False, False, 0)
+    reshard.check_launch(state, ddp, BatchPlan(3, 1, 2, 32), Path("ckpt"))  # DDP checkpoints hold whole tensors
+
+
 def test_auto_picks_muon_for_the_presets_it_won_on_and_old_runs_stay_adamw():
     pick = lambda **kw: optimizer_lib.pick(train.Config(**kw)).optimizer
     assert pick(model_config="mini") == "muon" and pick(model_config="tiny") == "adamw"
     assert pick(model_config="mini", optimizer="adamw") == "adamw"
     assert pick(model_config="mini", init_from="some/model") == "adamw"  # not the preset's weights: not benchmarked
+    offloaded = distributed.Launch(3, 1, "bf16", 1, "cpu", False, True, 3)
+    assert optimizer_lib.pick(train.Config(model_config="mini"), offloaded).optimizer == "adamw"  # Muon cannot
     with pytest.raises(UserError, match="auto's choice for --model_config mini"):
         optimizer_lib.resolve(train.Config(model_config="mini"), {"max_grad_norm"})
     # A checkpoint saved before --optimizer existed trained with AdamW: its resume keeps it, --optimizer auto included.
