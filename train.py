@@ -425,7 +425,6 @@ def setup(cfg: Config, given: set[str]) -> tuple[Run, Parts]:
     resilience.lock_run_dir(accelerator, out)
     finaliser = checkpoint.first_process_on_disk(accelerator, ckpt_root)
     if finaliser:
-        cli.write_json_atomic(out / "plan.json", planned.record)  # what train.py --plan --from_run OUT compares
         if removed := checkpoint.remove_leftovers(ckpt_root, finished=False):
             print(f"removed what earlier runs left unfinished in {ckpt_root}: {', '.join(removed)}")
     accelerator.wait_for_everyone()
@@ -487,7 +486,7 @@ def train(cfg: Config, given: set[str]) -> int:
         watchdog.beat(0, "validation")
         validate_at(0)
     interval, skips = metrics.Interval(), parts.skips
-    profiler = breakdown.Profiler(cfg.profile_steps, out, rank, step)
+    profiler = breakdown.Profiler(cfg.profile_steps, out, rank, step, parts.planned.record if parts.finaliser else None)
     watchdog.beat(step)
     while step < run.total_steps:
         # One optimizer step over `accum` micro-batches. A MoE model's balance loss is added to what is

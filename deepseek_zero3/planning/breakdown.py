@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from deepseek_zero3.cli import UserError
+from deepseek_zero3.cli import UserError, write_json_atomic
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast")
 COMPONENTS = ("compute", "copies", "optimizer", *COLLECTIVES, "unattributed")
@@ -104,7 +104,8 @@ def split_events(events, steps: int) -> tuple[dict, dict]:
             found[kind] += waited
     found["unattributed"] = wall - sum(v for k, v in found.items() if k != "unattributed")
     top = dict(sorted(ops.items(), key=lambda kv: -kv[1])[:TOP_OPS])
-    return {k: v / 1e6 / steps for k, v in found.items()}, {k: v / 1e6 / steps for k, v in top.items()}
+    n = len(step_events)
+    return {k: v / 1e6 / n for k, v in found.items()}, {k: v / 1e6 / n for k, v in top.items()}
 
 
 def kind_at(calls, starts, worker) -> str:
@@ -118,7 +119,7 @@ def waits(mine, events, main, steps_span) -> dict:
     collective, by collective."""
     busy = sorted((e.time_range.start, e.time_range.end) for e in mine if e.cpu_parent is None
                   or e.cpu_parent.name.startswith("ProfilerStep"))  # fmt: skip
-    gaps, cursor = [], None
+    gaps = []
     for start, end in steps_span:
         cursor = start
         for b_start, b_end in busy:
@@ -153,9 +154,14 @@ class Profiler:
     split to OUT/profile/rank<R>.json when they are done, or when the run ends or stops before (the steps it
     completed). A no-op for N = 0."""
 
-    def __init__(self, steps: int, out: Path, rank: int, first_step: int):
+    def __init__(self, steps: int, out: Path, rank: int, first_step: int, plan: dict | None = None):
+        """plan: the run's plan (plan.RunPlan.record), written to OUT/plan.json, what --from_run compares: by the
+        first process on each filesystem, once the run has started (a resume that fails to load leaves OUT as it
+        was)."""
         self.steps, self.path, self.prof, self.calls = steps, Path(out) / "profile" / f"rank{rank}.json", None, 0
         self.first_step = first_step
+        if plan is not None:
+            write_json_atomic(Path(out) / "plan.json", plan)
         if steps <= 0:
             return
         activities = [torch.profiler.ProfilerActivity.CPU]

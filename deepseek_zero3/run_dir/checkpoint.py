@@ -558,6 +558,9 @@ def export_final(accelerator, model, tokenizer, out_dir: Path) -> Path:
             unwrapped = accelerator.unwrap_model(model)
             main, own = mtp.split_state_dict(state_dict)
             saved_config = copy.deepcopy(unwrapped.config)
+            dtypes = {t.dtype for t in main.values() if t.is_floating_point()}
+            if len(dtypes) == 1:  # the weights' (a 16-bit run's are 16-bit), not the fp32 the model was built in
+                saved_config.dtype = dtypes.pop()
             if hasattr(saved_config, "num_mtp_layers"):  # transformers' name for it; 1 unless set
                 saved_config.num_mtp_layers = len(mtp.modules_of(unwrapped) or [])
             unwrapped.save_pretrained(tmp, state_dict=main, safe_serialization=True)
