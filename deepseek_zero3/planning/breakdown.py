@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from deepseek_zero3.cli import UserError, write_json_atomic
+from deepseek_zero3.run_dir.metrics import read_metrics
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast")
 COMPONENTS = ("compute", "copies", "optimizer", *COLLECTIVES, "unattributed")
@@ -276,17 +277,10 @@ def table(plan: dict, got: dict | None, measured_step_s: float | None, title: st
 
 def step_seconds(out: Path, tokens_per_step: int, profiled_until: int) -> float | None:
     """Seconds per step the run logged (OUT/metrics.jsonl), over the log intervals after the first (the warm-up) that
-    hold no profiled step; None when there is none. A torn or foreign line is passed over."""
-    records = []
-    for line in (Path(out) / "metrics.jsonl").read_text(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        rate = record.get("tokens_per_s") if isinstance(record, dict) else None
-        if isinstance(rate, (int, float)) and rate > 0:
-            records.append(record)
-    kept = [r for prev, r in zip(records, records[1:]) if prev.get("step", 0) >= max(profiled_until, 1)]
+    hold no profiled step; None when there is none."""
+    logged = read_metrics(Path(out) / "metrics.jsonl")[0]  # (torn lines dropped)
+    records = [r for r in logged if isinstance(r.get("tokens_per_s"), (int, float)) and r["tokens_per_s"] > 0]
+    kept = [r for prev, r in zip(records, records[1:]) if prev["step"] >= max(profiled_until, 1)]
     return tokens_per_step / (sum(r["tokens_per_s"] for r in kept) / len(kept)) if kept else None
 
 

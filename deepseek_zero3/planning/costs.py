@@ -283,15 +283,16 @@ def step_costs(c, cfg, launch: Launch, micro_batch_size: int, machine: Machine, 
     attention, loss path) under `launch` at a micro-batch; `fits` and, when it does not, `why`."""
     depth = model_math.mtp_depth(cfg, c)
     muon = getattr(cfg, "optimizer", "adamw") == "muon"
+    muon_params = model_math.muon_params(c, depth) if muon else 0
     mem = memory_plan(
         c, launch, micro_batch_size, cfg.seq_len, cfg.gradient_checkpointing, cfg.attn_implementation,
-        cfg.loss_chunk_tokens, depth, model_math.muon_params(c, depth) if muon else 0,
+        cfg.loss_chunk_tokens, depth, muon_params,
     )  # fmt: skip
     counts = mem["params"]
     ds_host, ds_gpu = deepspeed_estimate(counts, launch)
     need = max(mem["gpu_total"], ds_gpu + mem["gpu"]["activations"] + mem["gpu"]["loss"])
     host = host_bytes(mem, launch, base_per_process)
-    moved = traffic(counts, launch, cfg.gradient_checkpointing, model_math.muon_params(c, depth) if muon else 0)
+    moved = traffic(counts, launch, cfg.gradient_checkpointing, muon_params)
     tokens = micro_batch_size * launch.grad_accum_steps * launch.world_size * cfg.seq_len
     recompute = 4 / 3 if cfg.gradient_checkpointing else 1.0  # one more forward of every layer
     compute_s = (
