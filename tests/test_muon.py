@@ -25,7 +25,11 @@ from deepseek_zero3.run_dir import checkpoint
 
 EIGHT = ["--max_steps", "8", "--save_every", "4", "--optimizer", "muon"]
 NAN_STEP = 3  # rank 0's loss is NaN at step 3 of the straight runs: every process skips it (weights, momentum, LR)
-NAN = {"TRAIN_TEST_FAULT": f"nan_loss:0:{NAN_STEP}"}
+# The multi-process runs take DeepSpeed's Newton-Schulz eagerly: DeepSpeed wraps it in torch.compile, whose first
+# compile on a CPU (inductor's C++, once per process and shape) cost these runs 30-150 s each on 2 cores, for the same
+# losses to the last digit (measured: 3 ZeRO-2 processes, 8 steps, loss 6.0786 compiled and eager). The compiled
+# function is what the first test here checks against the float64 iteration.
+NAN = {"TRAIN_TEST_FAULT": f"nan_loss:0:{NAN_STEP}", "TORCHDYNAMO_DISABLE": "1"}
 SKIPPED = f"step {NAN_STEP}: skipped (the loss or gradient norm is not finite)"
 
 
@@ -186,7 +190,8 @@ def resumed(straight: Path, tmp_path: Path, config: str) -> Path:
     copy = tmp_path / "copy" / "step_4"
     shutil.copytree(straight / "checkpoints" / "step_4", copy)
     out = tmp_path / "resumed"
-    proc = launch(3, "--resume", copy, "--output_dir", out, "--max_steps", "8", config=config)
+    proc = launch(3, "--resume", copy, "--output_dir", out, "--max_steps", "8", config=config,
+                  env={"TORCHDYNAMO_DISABLE": NAN["TORCHDYNAMO_DISABLE"]})  # as the straight run
     assert f"resumed from {copy} at step 4" in proc.stdout
     assert sorted(train_records(out)) == [5, 6, 7, 8]
     return out
