@@ -1,6 +1,6 @@
 # The two README commands. Both create .venv and install requirements.txt first (once; again when it changes).
 #   make quickstart   the whole pipeline on the CPU: prepare python-docs, train 3 ZeRO-3 processes, evaluate
-#   make test         the test suite (real multi-process ZeRO-3 runs on the CPU, 20-25 minutes on 2 cores, 2 workers)
+#   make test         the test suite (real multi-process ZeRO-3 runs on the CPU, about 20 minutes on 2 cores, 2 workers)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
