@@ -86,6 +86,20 @@ def test_the_step_is_the_orthogonalised_momentum_and_the_rest_is_adamw():
     assert singular.min() > 0.5 and singular.max() < 1.5, singular
 
 
+def test_a_cpu_run_compiles_nothing_unless_it_asked_accelerate_to(monkeypatch):
+    from torch._dynamo import eval_frame
+
+    torch.compiler.set_stance("default")
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "INDUCTOR")  # accelerate launch --dynamo_backend inductor
+    optimizer_lib.eager_on_cpu("cpu")
+    assert eval_frame._stance.stance == "default"
+    monkeypatch.delenv("ACCELERATE_DYNAMO_BACKEND")
+    optimizer_lib.eager_on_cpu("cuda")
+    assert eval_frame._stance.stance == "default"
+    optimizer_lib.eager_on_cpu("cpu")
+    assert eval_frame._stance.stance == "force_eager"
+
+
 @pytest.mark.parametrize("preset,depth", [("tiny", 0), ("deepseek-v3-tiny", 1), ("deepseek-v3-tiny", 0)])
 def test_groups_follow_deepspeeds_rule_and_the_plan_counts_them(preset, depth):
     c, model = model_of(preset)

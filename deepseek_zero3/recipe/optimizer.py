@@ -26,6 +26,7 @@ lr x --muon_lr / --lr.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 
 import torch
@@ -165,8 +166,10 @@ def eager_on_cpu(device_type: str) -> None:
     """DeepSpeed wraps Muon's Newton-Schulz in torch.compile. On a CPU, inductor compiles C++ for it at the first steps
     of every process (a C++ compiler must be installed) and gains nothing: 3 ZeRO-3 processes of `mini`, 20 steps,
     took 135 s compiled and 54 s eager (TORCHDYNAMO_DISABLE=1) on 2 AMD EPYC cores, at the same tokens/s after the
-    compile (4,185-4,347 against 4,275-4,355) and the same losses. A CPU run takes it eagerly; GPUs keep the compile."""
-    if device_type == "cpu":
+    compile (4,185-4,347 against 4,275-4,355) and the same losses. A CPU run takes it eagerly; GPUs keep the compile.
+    The stance is the process's: a run that asks Accelerate to compile (`accelerate launch --dynamo_backend X`, which
+    sets ACCELERATE_DYNAMO_BACKEND) keeps every compile, this one included."""
+    if device_type == "cpu" and os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower() == "no":
         torch.compiler.set_stance("force_eager")
 
 
