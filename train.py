@@ -478,15 +478,16 @@ def train(cfg: Config, given: set[str]) -> int:
 
     stop_signals = resilience.StopSignals(out, rank)  # preemption, Ctrl-C, a closed terminal: finish the step, save
     step = run.resume.state["step"] if run.resume is not None else 0
-    bar = cli.progress_bar(
-        total=run.total_steps, initial=step, desc="train", dynamic_ncols=True, disable=not accelerator.is_main_process
-    )
+    bar = cli.progress_bar(total=run.total_steps, initial=step, desc="train", dynamic_ncols=True,
+                           disable=not accelerator.is_main_process)  # fmt: skip
     watchdog = parts.watchdog
     if step == 0 and cfg.eval_at_start:
         watchdog.beat(0, "validation")
         validate_at(0)
     interval, skips = metrics.Interval(), parts.skips
-    profiler = breakdown.Profiler(cfg.profile_steps, out, rank, step, parts.planned.record if parts.finaliser else None)
+    if parts.finaliser:  # what --plan --from_run OUT compares; written once the run has started (a failed resume: none)
+        cli.write_json_atomic(out / "plan.json", parts.planned.record)
+    profiler = breakdown.Profiler(cfg.profile_steps, out, rank, step)
     watchdog.beat(step)
     while step < run.total_steps:
         # One optimizer step over `accum` micro-batches. A MoE model's balance loss is added to what is

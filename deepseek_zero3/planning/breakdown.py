@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from deepseek_zero3.cli import UserError, write_json_atomic
+from deepseek_zero3.cli import UserError
 from deepseek_zero3.run_dir.metrics import read_metrics
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast")
@@ -155,14 +155,9 @@ class Profiler:
     split to OUT/profile/rank<R>.json when they are done, or when the run ends or stops before (the steps it
     completed). A no-op for N = 0."""
 
-    def __init__(self, steps: int, out: Path, rank: int, first_step: int, plan: dict | None = None):
-        """plan: the run's plan (plan.RunPlan.record), written to OUT/plan.json, what --from_run compares: by the
-        first process on each filesystem, once the run has started (a resume that fails to load leaves OUT as it
-        was)."""
+    def __init__(self, steps: int, out: Path, rank: int, first_step: int):
         self.steps, self.path, self.prof, self.calls = steps, Path(out) / "profile" / f"rank{rank}.json", None, 0
         self.first_step = first_step
-        if plan is not None:
-            write_json_atomic(Path(out) / "plan.json", plan)
         if steps <= 0:
             return
         activities = [torch.profiler.ProfilerActivity.CPU]
