@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import re
 import sys
+import time
 
 import pytest
 import torch
@@ -163,13 +164,46 @@ def test_cpu_plan_on_paper_times_the_model(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("preset", ["tiny", "deepseek-v3-tiny"])
-def test_timed_copies_keep_zero3_processes_in_step_at_every_layer(preset):
-    """Each timed pass of the 1- and 2-layer copies (3 passes each) waits at every layer's start and again when its
-    backward ends: 3 x (1 + 2) x 2 waits, the forward's before the backward's."""
+def test_timed_copy_keeps_zero3_processes_in_step_at_every_layer(preset):
+    """Each timed pass of the 2-layer copy waits at every layer's start and again when its backward ends, and at the
+    timed (second) layer's forward end and backward start: 6 waits a pass, the forward's before the backward's."""
     calls = []
     c = models.load_model_config(preset, "", 32, None)
     assert measure.measure_model_rate(c, 2, 32, "fp32", "sdpa", 16, sync=lambda: calls.append(torch.is_grad_enabled()))
-    assert calls == [True, False] * 3 + [True, True, False, False] * 3, calls  # grad mode is off in backward
+    # grad mode is off in backward
+    assert calls == [True, True, True, False, False, False] * measure.MEASURED_PASSES, calls
+
+
+def test_time_layer_times_the_layers_forward_and_backward_and_nothing_else():
+    """The plan scales the model by one layer's time: the layer's own forward and backward (50 ms of sleep here), not
+    the rest of the pass around it (400 ms)."""
+
+    def sleeping(forward_s, backward_s):
+        class Sleep(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                time.sleep(forward_s)
+                return x * 2
+
+            @staticmethod
+            def backward(ctx, grad):
+                time.sleep(backward_s)
+                return grad * 2
+
+        return Sleep.apply
+
+    layer_op, rest = sleeping(0.02, 0.03), sleeping(0.1, 0.1)
+
+    class Layer(torch.nn.Module):
+        def forward(self, x):
+            return layer_op(x)
+
+    layer = Layer()
+    seconds = measure.time_layer(layer)
+    for _ in range(2):
+        x = torch.ones(3, requires_grad=True)
+        rest(layer(rest(x))).sum().backward()
+    assert len(seconds) == 2 and all(0.05 <= s < 0.25 for s in seconds), seconds
 
 
 def test_lock_step_never_hooks_a_list_of_experts():

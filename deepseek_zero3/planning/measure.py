@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import time
 
 import torch
@@ -43,9 +44,11 @@ def measure_peak_flops(accelerator, precision: str) -> tuple[float, str]:
 # A CPU run times its own model for the plan (measure_model_rate) up to this many parameters in the 2-layer copy;
 # beyond it the copy would cost gigabytes and seconds, and the plan keeps --assumed_mfu of the timed matmul.
 MEASURED_COPY_MAX_PARAMS = 100e6
-MEASURED_RATE = "forward, loss and backward of 1 and 2 of its layers at this sequence and dtype"
+MEASURED_RATE = "forward, loss and backward of a 2-layer copy, its layer timed, at this sequence and dtype"
 # ... over at most this many tokens (whole sequences, at least one): the rate, not the run's memory, is measured.
 MEASURED_TOKENS = 1024
+# ... in this many passes, the first a warm-up (bench/model_rate_spread.py: how much the rate varies).
+MEASURED_PASSES = 6
 
 
 def in_lock_step(launch: Launch) -> bool:
@@ -65,13 +68,16 @@ def measured_rate_source(launch: Launch, paper: bool) -> str:
 
 def measure_model_rate(c, micro: int, seq_len: int, precision: str, attn: str, chunk: int, sync=None) -> float | None:
     """FLOP/s this process reaches on the model itself, for the plan's compute time on CPUs (where small models reach
-    a fraction of a big matmul's rate, and no fixed MFU fits them all): copies of the model with 1 and 2 decoder
-    layers, in the run's dtype, each timed over forward, the run's loss (lmloss.model_nll, `chunk` tokens at a time)
-    and backward at the run's sequence and micro-batch, capped at MEASURED_TOKENS (best of 2 after a warm-up), the
-    whole model's pass read as the 1-layer time + (layers - 1) x the second layer's. sync: called at each layer's start
-    and backward's end (lock_step), on every process at once. It leaves out what ZeRO moves (the plan's link and copy
-    terms) and the optimizer. Call it on every process at once: on a CPU they share the cores. None for a copy over
-    MEASURED_COPY_MAX_PARAMS."""
+    a fraction of a big matmul's rate, and no fixed MFU fits them all): a copy of the model with 2 decoder layers, in
+    the run's dtype, timed over forward, the run's loss (lmloss.model_nll, `chunk` tokens at a time) and backward at
+    the run's sequence and micro-batch, capped at MEASURED_TOKENS, with its second layer's forward and backward timed
+    inside each pass (time_layer); the whole model's pass read as the copy's + (layers - 2) x that layer's, each the
+    median of the passes after a warm-up (a run's typical step, not its best). The layer is timed, not taken as the
+    difference of a 1- and a 2-layer copy's passes: that difference, times the layers, magnified the machine's noise
+    (bench/model_rate_spread.py measures both). sync: called at each layer's start and backward's end (lock_step), and
+    at the timed layer's forward end and backward start, on every process at once. It leaves out what ZeRO moves (the
+    plan's link and copy terms) and the optimizer. Call it on every process at once: on a CPU they share the cores.
+    None for a copy over MEASURED_COPY_MAX_PARAMS, or a model whose decoder layers are not one list (decoder_layers)."""
     import copy
 
     from transformers import AutoModelForCausalLM
@@ -79,56 +85,99 @@ def measure_model_rate(c, micro: int, seq_len: int, precision: str, attn: str, c
     from deepseek_zero3.model import lmloss
 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision, torch.float32)
-    copies = [copy.deepcopy(c) for _ in (1, 2)]
-    for layers, small in enumerate(copies, 1):
-        small.num_hidden_layers = layers
-    if param_counts(copies[1])["total"] > MEASURED_COPY_MAX_PARAMS:
+    two = copy.deepcopy(c)
+    two.num_hidden_layers = 2
+    if param_counts(two)["total"] > MEASURED_COPY_MAX_PARAMS:
         return None
-    seconds = []
+    passes = []
     with torch.random.fork_rng():  # the run's random state stays as it was
         torch.manual_seed(0)
         micro = max(1, min(micro, MEASURED_TOKENS // seq_len))
         ids = torch.randint(0, c.vocab_size, (micro, seq_len))
-        for small in copies:
-            try:
-                model = AutoModelForCausalLM.from_config(small, attn_implementation=attn, dtype=dtype)
-            except (ValueError, TypeError, IndexError):  # a config whose per-layer lists do not shrink: not timed
-                return None
-            if sync is not None:
-                lock_step(model, sync, small.num_hidden_layers)  # the same on every process: same config
-            times = []
-            for _ in range(3):
-                t0 = time.perf_counter()
-                nll, n = lmloss.model_nll(model, ids, ids, chunk)
-                (nll / n).backward()
-                times.append(time.perf_counter() - t0)
-            seconds.append(min(times[1:]))
-            del model, nll
-    whole = seconds[0] + (c.num_hidden_layers - 1) * max(seconds[1] - seconds[0], 0.0)
+        try:
+            model = AutoModelForCausalLM.from_config(two, attn_implementation=attn, dtype=dtype)
+        except (ValueError, TypeError, IndexError):  # a config whose per-layer lists do not shrink: not timed
+            return None
+        layers = decoder_layers(model, 2)  # the same on every process: same config
+        if layers is None:
+            return None
+        if sync is not None:
+            lock_step(model, sync, 2)
+        layer_s = time_layer(layers[1], sync)
+        for _ in range(MEASURED_PASSES):
+            t0 = time.perf_counter()
+            nll, n = lmloss.model_nll(model, ids, ids, chunk)
+            (nll / n).backward()
+            passes.append(time.perf_counter() - t0)
+    if len(layer_s) != len(passes):  # the layer's backward was not seen: nothing to scale by
+        return None
+    whole = statistics.median(passes[1:]) + (c.num_hidden_layers - 2) * statistics.median(layer_s[1:])
     return model_flops_per_token(c, seq_len) * micro * seq_len / whole
 
 
-def lock_step(model, sync, layers: int) -> None:
-    """Calls sync() as each decoder layer starts its forward and as its backward ends: where ZeRO-3 gathers and
-    reduces that layer's parameters, and so where its processes wait for the slowest. Processes that outnumber the
-    cores finish a layer in turns there (3 on 2 cores: a layer takes two turns, not 1.5), which timing them apart
-    misses. The decoder layers: the one ModuleList of `layers` modules (by its name when several are that long; none
-    hooked when that is not one, the same on every process: a list of experts, which ranks call differently, must
-    never be taken)."""
+def decoder_layers(model, layers: int):
+    """The model's decoder layers: the one ModuleList of `layers` modules (by its name when several are that long);
+    None when that is not one. A list of experts, which ranks call differently, must never be taken (a sync in one
+    would hang the others)."""
     lists = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) == layers]
     if len(lists) > 1:
         lists = [(name, m) for name, m in lists if name.rsplit(".", 1)[-1] in ("layers", "h", "blocks")]
-    if len(lists) != 1:
-        return
+    return lists[0][1] if len(lists) == 1 else None
+
+
+def first_tensor(values):
+    return next((x for x in values if isinstance(x, torch.Tensor)), None)
+
+
+def lock_step(model, sync, layers: int) -> None:
+    """Calls sync() as each decoder layer (decoder_layers; none when not found, the same on every process) starts its
+    forward and as its backward ends: where ZeRO-3 gathers and reduces that layer's parameters, and so where its
+    processes wait for the slowest. Processes that outnumber the cores finish a layer in turns there (3 on 2 cores: a
+    layer takes two turns, not 1.5), which timing them apart misses."""
+    found = decoder_layers(model, layers)
 
     def before(module, args, kwargs):
         sync()
-        hidden = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
+        hidden = first_tensor((*args, *kwargs.values()))
         if hidden is not None and hidden.requires_grad:
             hidden.register_hook(lambda grad: (sync(), grad)[1])
 
-    for layer in lists[0][1]:
+    for layer in found if found is not None else ():
         layer.register_forward_pre_hook(before, with_kwargs=True)
+
+
+def time_layer(layer, sync=None) -> list:
+    """Hooks that time `layer`'s forward and backward in each pass: the list they append each pass's seconds to (when
+    its backward ends). With sync (lock step; lock_step's hooks registered first, so the layer's own waits come before
+    its clock starts and stops), sync() also at its forward's end and as its backward starts, so that the layer's time
+    holds the wait for the slowest process that the next layer's start would have."""
+    wait, marks, seconds = sync or (lambda: None), {}, []
+
+    def backward_ended(grad):
+        seconds.append(marks["forward"] + time.perf_counter() - marks["backward"])
+        return grad
+
+    def backward_started(grad):
+        wait()
+        marks["backward"] = time.perf_counter()
+        return grad
+
+    def started(module, args, kwargs):
+        marks["start"] = time.perf_counter()
+        hidden = first_tensor((*args, *kwargs.values()))
+        if hidden is not None and hidden.requires_grad:
+            hidden.register_hook(backward_ended)
+
+    def ended(module, args, kwargs, out):
+        wait()
+        marks["forward"] = time.perf_counter() - marks["start"]
+        hidden = first_tensor(out if isinstance(out, (tuple, list)) else (out,))
+        if hidden is not None and hidden.requires_grad:
+            hidden.register_hook(backward_started)
+
+    layer.register_forward_pre_hook(started, with_kwargs=True)
+    layer.register_forward_hook(ended, with_kwargs=True)
+    return seconds
 
 
 def live_cpu_rate(accelerator, cfg, c, launch: Launch) -> float | None:
@@ -184,6 +233,11 @@ def process_rss_gib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / GIB
 
 
+# Passes of each timed link operation, the first a warm-up; the plan takes the median of the rest: a run's collectives
+# meet the machine's typical load, not its quietest moment.
+LINK_PASSES = 6
+
+
 def measure_links(accelerator) -> dict:
     """What moving bytes costs this run, measured in a second or two on the real process group and device: the bus
     bandwidth (GB/s) of each collective ZeRO and DDP use (all-reduce, all-gather, reduce-scatter; none for one
@@ -192,21 +246,22 @@ def measure_links(accelerator) -> dict:
 
     The check: an all-gather of rank-stamped integers, compared on every rank. On some RTX 40-series drivers NCCL's
     P2P copies between cards return wrong data without an error; training would then go on with corrupted gradients.
-    Bus bandwidth as nccl-tests defines it: bytes x 2 (n-1)/n (all-reduce) or (n-1)/n (the others) / seconds, the best
-    of 2 after a warm-up; the backends differ in each (gloo's reduce-scatter runs at a fraction of its all-reduce)."""
+    Bus bandwidth as nccl-tests defines it: bytes x 2 (n-1)/n (all-reduce) or (n-1)/n (the others) / seconds, the median
+    of the passes after a warm-up; the backends differ in each (gloo's reduce-scatter runs at a fraction of its
+    all-reduce)."""
     n, device = accelerator.num_processes, accelerator.device
     numel = (64 if device.type == "cuda" else 16) * 2**20 // 4  # the collectives' buffer; the copy's is 4x that
 
-    def best_s(op) -> float:
+    def typical_s(op) -> float:
         times = []
-        for _ in range(3):
+        for _ in range(LINK_PASSES):
             accelerator.wait_for_everyone()
             t0 = time.perf_counter()
             op()
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
-        return min(times[1:])
+        return statistics.median(times[1:])
 
     # Two copy rates: into memory the process already holds (the optimizer step, persistent buckets), and as the
     # frameworks flatten many tensors into a fresh buffer (a bucket to reduce, a gather); on a CPU the fresh pages cost
@@ -214,8 +269,8 @@ def measure_links(accelerator) -> dict:
     pieces = list(torch.ones(numel * 4, device=device).chunk(16))
     held, into = torch.ones(numel * 4, device=device), torch.zeros(numel * 4, device=device)
     links = {
-        "memory": 2 * numel * 4 * 4 / best_s(lambda: into.copy_(held)) / 1e9,
-        "memory_fresh": 2 * numel * 4 * 4 / best_s(lambda: torch.cat(pieces)) / 1e9,
+        "memory": 2 * numel * 4 * 4 / typical_s(lambda: into.copy_(held)) / 1e9,
+        "memory_fresh": 2 * numel * 4 * 4 / typical_s(lambda: torch.cat(pieces)) / 1e9,
     }
     buf, out = torch.ones(numel, device=device), torch.empty(numel, device=device)
     if n == 1:
@@ -223,11 +278,11 @@ def measure_links(accelerator) -> dict:
     check_link_content(accelerator, numel)
     shard = torch.ones(numel // n, device=device)
     ring = (n - 1) / n * numel * 4 / 1e9
-    links["all_reduce"] = 2 * ring / best_s(lambda: torch.distributed.all_reduce(buf))
-    links["all_gather"] = ring / best_s(
+    links["all_reduce"] = 2 * ring / typical_s(lambda: torch.distributed.all_reduce(buf))
+    links["all_gather"] = ring / typical_s(
         lambda: torch.distributed.all_gather_into_tensor(out[: shard.numel() * n], shard)
     )
-    links["reduce_scatter"] = ring / best_s(
+    links["reduce_scatter"] = ring / typical_s(
         lambda: torch.distributed.reduce_scatter_tensor(shard, buf[: shard.numel() * n])
     )
     return links
