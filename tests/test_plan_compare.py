@@ -174,9 +174,21 @@ def test_timed_copy_keeps_zero3_processes_in_step_at_every_layer(preset):
     assert calls == [True, True, True, False, False, False] * measure.MEASURED_PASSES, calls
 
 
+def test_a_model_whose_layers_are_not_found_is_timed_whole_without_lock_step(monkeypatch):
+    """No decoder-layer list to time or to wait at: the 2-layer copy's pass per 2 layers, and no sync (which every
+    process skips alike: same config), rather than no measured rate at all."""
+    c = models.load_model_config("tiny", "", 32, None)
+    timed = measure.measure_model_rate(c, 2, 32, "fp32", "sdpa", 16)
+    monkeypatch.setattr(measure, "decoder_layers", lambda model, layers: None)
+    calls = []
+    whole = measure.measure_model_rate(c, 2, 32, "fp32", "sdpa", 16, sync=lambda: calls.append(1))
+    assert whole > 0 and not calls
+    assert whole < 2 * timed  # the same copy's passes, not a rate from elsewhere (both vary with the machine's load)
+
+
 def test_time_layer_times_the_layers_forward_and_backward_and_nothing_else():
     """The plan scales the model by one layer's time: the layer's own forward and backward (50 ms of sleep here), not
-    the rest of the pass around it (400 ms)."""
+    any of the rest of the pass around it (200 ms before it and after it, forward and backward)."""
 
     def sleeping(forward_s, backward_s):
         class Sleep(torch.autograd.Function):
@@ -192,7 +204,7 @@ def test_time_layer_times_the_layers_forward_and_backward_and_nothing_else():
 
         return Sleep.apply
 
-    layer_op, rest = sleeping(0.02, 0.03), sleeping(0.1, 0.1)
+    layer_op, rest = sleeping(0.02, 0.03), sleeping(0.2, 0.2)
 
     class Layer(torch.nn.Module):
         def forward(self, x):
@@ -203,7 +215,7 @@ def test_time_layer_times_the_layers_forward_and_backward_and_nothing_else():
     for _ in range(2):
         x = torch.ones(3, requires_grad=True)
         rest(layer(rest(x))).sum().backward()
-    assert len(seconds) == 2 and all(0.05 <= s < 0.25 for s in seconds), seconds
+    assert len(seconds) == 2 and all(0.05 <= s < 0.2 for s in seconds), seconds  # any of the rest: >= 0.25
 
 
 def test_lock_step_never_hooks_a_list_of_experts():

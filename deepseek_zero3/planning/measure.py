@@ -77,7 +77,9 @@ def measure_model_rate(c, micro: int, seq_len: int, precision: str, attn: str, c
     (bench/model_rate_spread.py measures both). sync: called at each layer's start and backward's end (lock_step), and
     at the timed layer's forward end and backward start, on every process at once. It leaves out what ZeRO moves (the
     plan's link and copy terms) and the optimizer. Call it on every process at once: on a CPU they share the cores.
-    None for a copy over MEASURED_COPY_MAX_PARAMS, or a model whose decoder layers are not one list (decoder_layers)."""
+    A model whose decoder layers are not one list (decoder_layers) is read as the copy's pass per 2 layers (embedding
+    and head counted for each: a lower rate), without lock step. A DeepSeek config's copy keeps one dense layer, so
+    that the layer timed is an MoE layer, as most of the model's are. None for a copy over MEASURED_COPY_MAX_PARAMS."""
     import copy
 
     from transformers import AutoModelForCausalLM
@@ -87,6 +89,8 @@ def measure_model_rate(c, micro: int, seq_len: int, precision: str, attn: str, c
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision, torch.float32)
     two = copy.deepcopy(c)
     two.num_hidden_layers = 2
+    if getattr(two, "first_k_dense_replace", 0) > 1:  # the timed layer is one of the MoE layers most of the model has
+        two.first_k_dense_replace = 1
     if param_counts(two)["total"] > MEASURED_COPY_MAX_PARAMS:
         return None
     passes = []
@@ -99,19 +103,18 @@ def measure_model_rate(c, micro: int, seq_len: int, precision: str, attn: str, c
         except (ValueError, TypeError, IndexError):  # a config whose per-layer lists do not shrink: not timed
             return None
         layers = decoder_layers(model, 2)  # the same on every process: same config
-        if layers is None:
-            return None
         if sync is not None:
             lock_step(model, sync, 2)
-        layer_s = time_layer(layers[1], sync)
+        layer_s = time_layer(layers[1], sync) if layers is not None else []
         for _ in range(MEASURED_PASSES):
             t0 = time.perf_counter()
             nll, n = lmloss.model_nll(model, ids, ids, chunk)
             (nll / n).backward()
             passes.append(time.perf_counter() - t0)
-    if len(layer_s) != len(passes):  # the layer's backward was not seen: nothing to scale by
-        return None
-    whole = statistics.median(passes[1:]) + (c.num_hidden_layers - 2) * statistics.median(layer_s[1:])
+    if len(layer_s) != len(passes):  # no layer timed (not found, or its backward not seen): the copy's pass per layer
+        whole = statistics.median(passes[1:]) * c.num_hidden_layers / 2
+    else:
+        whole = statistics.median(passes[1:]) + (c.num_hidden_layers - 2) * statistics.median(layer_s[1:])
     return model_flops_per_token(c, seq_len) * micro * seq_len / whole
 
 
@@ -148,9 +151,8 @@ def lock_step(model, sync, layers: int) -> None:
 
 def time_layer(layer, sync=None) -> list:
     """Hooks that time `layer`'s forward and backward in each pass: the list they append each pass's seconds to (when
-    its backward ends). With sync (lock step; lock_step's hooks registered first, so the layer's own waits come before
-    its clock starts and stops), sync() also at its forward's end and as its backward starts, so that the layer's time
-    holds the wait for the slowest process that the next layer's start would have."""
+    its backward ends). With sync (lock step), sync() also at its forward's end and as its backward starts, so that
+    the layer's time holds the wait for the slowest process that the next layer's start would have."""
     wait, marks, seconds = sync or (lambda: None), {}, []
 
     def backward_ended(grad):
@@ -182,11 +184,11 @@ def time_layer(layer, sync=None) -> list:
 
 def live_cpu_rate(accelerator, cfg, c, launch: Launch) -> float | None:
     """measure_model_rate on every process of a CPU run at once; the mean over processes. Under ZeRO-3 the processes
-    run the copies in lock step (a one-element all-reduce at each layer's start and backward's end), as the gathers
-    keep the run: on 3 processes sharing 2 cores, timing them apart planned ~2x the tokens/s the run reached. The
-    copies are plain models: transformers builds every model partitioned while Accelerate's DeepSpeed config is
-    registered with it (Accelerate's zero3_init_context_manager(enable=False) re-registers it, so it does not stop
-    that)."""
+    run the copy in lock step (a one-element all-reduce at each layer's start and backward's end, and at the timed
+    layer's forward end and backward start), as the gathers keep the run: on 3 processes sharing 2 cores, timing them
+    apart planned ~2x the tokens/s the run reached. The copy is a plain model: transformers builds every model
+    partitioned while Accelerate's DeepSpeed config is registered with it (Accelerate's
+    zero3_init_context_manager(enable=False) re-registers it, so it does not stop that)."""
     from transformers.integrations import deepspeed as hf_deepspeed
 
     plugin = accelerator.state.deepspeed_plugin
