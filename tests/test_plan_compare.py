@@ -186,6 +186,18 @@ def test_a_model_whose_layers_are_not_found_is_timed_whole_without_lock_step(mon
     assert whole < 2 * timed  # the same copy's passes, not a rate from elsewhere (both vary with the machine's load)
 
 
+def test_ddp_all_reduce_hides_behind_the_syncing_micro_steps_backward_but_its_last_bucket():
+    """DDP all-reduces its buckets during the backward of the micro-step that syncs: the plan hides what fits in that
+    backward (2/3 of its compute), never the last 25 MiB bucket; ZeRO (overlap_comm off) and one process, nothing."""
+    ddp = distributed.Launch(2, 1, "fp32", 4, "none", False, False, 0)
+    p = 100 * 2**20 / 4  # 100 MiB of fp32 gradients: 4 buckets
+    assert costs.ddp_hidden_s(p, ddp, 1.0, 100.0) == pytest.approx(0.75)  # a long backward: all but the last bucket
+    assert costs.ddp_hidden_s(p, ddp, 1.0, 3.0) == pytest.approx(0.5)  # 2/3 x 3 s / 4 micro-steps
+    assert costs.ddp_hidden_s(p, dataclasses.replace(ddp, zero_stage=2), 1.0, 100.0) == 0.0
+    assert costs.ddp_hidden_s(p, dataclasses.replace(ddp, world_size=1), 1.0, 100.0) == 0.0
+    assert costs.ddp_hidden_s(1e6, ddp, 1.0, 100.0) == 0.0  # one bucket holds it all: nothing to overlap
+
+
 def test_time_layer_times_the_layers_forward_and_backward_and_nothing_else():
     """The plan scales the model by one layer's time: the layer's own forward and backward (50 ms of sleep here), not
     any of the rest of the pass around it (200 ms before it and after it, forward and backward)."""

@@ -199,7 +199,7 @@ def planned(step: dict, machine) -> dict:
     """costs.step_costs's seconds per step (step) split into COMPONENTS: the optimizer's own pass over its state (28
     B per parameter it updates, at the held-memory rate), the host Adam and Muon's Newton-Schulz are the optimizer;
     the rest of the held and fresh copies, and offload's transfers, are copies; each collective its bytes over its
-    measured bandwidth."""
+    measured bandwidth (DDP's all-reduce less what its backward hides, costs.ddp_hidden_s)."""
     moved = step["traffic"]
     optimizer = moved["memory_optimizer"] / machine.memory_gb_s / 1e9
     split = dict.fromkeys(COMPONENTS, 0.0)
@@ -207,7 +207,7 @@ def planned(step: dict, machine) -> dict:
         compute=step["compute_s"],
         copies=step["copies_s"] - optimizer + step["offload_s"],
         optimizer=optimizer + step["host_adam_s"] + step["newton_schulz_s"],
-        all_reduce=moved["all_reduce"] / machine.link_gb_s / 1e9,
+        all_reduce=moved["all_reduce"] / machine.link_gb_s / 1e9 - step.get("all_reduce_hidden_s", 0.0),
         all_gather=moved["all_gather"] / machine.gather_gb_s / 1e9,
         reduce_scatter=moved["reduce_scatter"] / machine.scatter_gb_s / 1e9,
     )

@@ -13,8 +13,9 @@ The strategies, one accelerate config each (accelerate_configs/<file>, see STRAT
               offload the 16-bit parameters too, copied to the GPU for every pass; with NVMe (ZeRO-Infinity) the
               optimizer states on an SSD, read and written every step
 
-A step's time is compute + GPU-link traffic + PCIe offload traffic + NVMe + host Adam, none assumed to overlap: an
-upper bound, and on PCIe without P2P the links are what overlaps least. Traffic is counted per process as a ring moves
+A step's time is compute + GPU-link traffic + PCIe offload traffic + NVMe + host Adam, none assumed to overlap (an
+upper bound, and on PCIe without P2P the links are what overlaps least) but DDP's all-reduce, which PyTorch's DDP runs
+upper bound, and on PCIe without P2P the links are what overlaps least) but DDP's all-reduce, which PyTorch's DDP runs
 it: an all-gather or reduce-scatter of S bytes puts (n-1)/n S on each link, an all-reduce twice that, and a bandwidth is
 the all-reduce bus bandwidth (what nccl-tests calls busbw; measure.measure_links measures it on the real process group).
 The strategies' own copies (buckets, flattening, gathers) and the optimizer step are counted as bytes through device
@@ -302,10 +303,10 @@ def step_costs(c, cfg, launch: Launch, micro_batch_size: int, machine: Machine, 
     adam_s = 0.0
     if launch.offload_optimizer != "none":
         adam_s = HOST_ADAM_BYTES_PER_PARAM * counts["total"] / launch.nodes / (HOST_ADAM_GB_S * 1e9)
-    comm_s = (
-        moved["all_reduce"] / machine.link_gb_s + moved["all_gather"] / machine.gather_gb_s
-        + moved["reduce_scatter"] / machine.scatter_gb_s
-    ) / 1e9  # fmt: skip
+    all_reduce_s = moved["all_reduce"] / machine.link_gb_s / 1e9
+    hidden_s = ddp_hidden_s(counts["total"], launch, all_reduce_s, compute_s)
+    comm_s = all_reduce_s - hidden_s + (moved["all_gather"] / machine.gather_gb_s
+                                        + moved["reduce_scatter"] / machine.scatter_gb_s) / 1e9  # fmt: skip
     seconds = {
         "compute_s": compute_s,
         "comm_s": comm_s,
@@ -336,11 +337,29 @@ def step_costs(c, cfg, launch: Launch, micro_batch_size: int, machine: Machine, 
         "host": host,
         "traffic": moved,
         "tokens": tokens,
+        "all_reduce_hidden_s": hidden_s,
         "step_s": step_s,
         "tokens_per_s": tokens / step_s,
         "fits": not why,
         "why": "; ".join(why),
     }
+
+
+# PyTorch DDP's bucket_cap_mb (train.py keeps the default): the gradients are all-reduced in buckets of this size.
+DDP_BUCKET_BYTES = 25 * 2**20
+
+
+def ddp_hidden_s(params: float, launch: Launch, all_reduce_s: float, compute_s: float) -> float:
+    """Seconds of DDP's gradient all-reduce the backward hides: DDP all-reduces each bucket of fp32 gradients as the
+    backward fills it and waits for them all at the backward's end (Li et al., PyTorch Distributed, VLDB 2020), in the
+    micro-step that syncs (Accelerate skips the sync in the others). Hidden: what fits in that micro-step's backward
+    (2/3 of its compute), less the last bucket, which starts only as the backward ends. 0 for ZeRO and one process.
+    Measured on 2 CPU processes (bench/strategy_vs_plan.py --breakdown): DDP waited 0.05 s of 0.11 s of all-reduce."""
+    if launch.zero_stage or launch.world_size == 1 or all_reduce_s <= 0:
+        return 0.0
+    last_bucket_s = all_reduce_s * min(1.0, DDP_BUCKET_BYTES / (4 * params))
+    backward_s = 2 / 3 * compute_s / launch.grad_accum_steps
+    return max(0.0, min(all_reduce_s - last_bucket_s, backward_s))
 
 
 def largest_fitting(c, cfg, launch: Launch, machine: Machine, base: float, sequences_per_process: int):
@@ -450,10 +469,11 @@ def plan_report(cfg, c, launch: Launch, machine: Machine, base: float, steps: in
     lines.append(
         f"  step: {costs['tokens']:,} tokens, {costs['step_s']:.2f} s = {costs['compute_s']:.2f} s compute at "
         f"{machine.flops_per_device / 1e12:.3g} TFLOP/s per {where} ({machine.compute_source}) + "
-        f"{costs['comm_s']:.2f} s for {moved['link'] / 1e9:.2f} GB per process over the link (all-reduce "
-        f"{machine.link_gb_s:.3g}, all-gather {machine.gather_gb_s:.3g}, reduce-scatter {machine.scatter_gb_s:.3g} "
-        "GB/s, "
-        f"{machine.link_source}) + {costs['copies_s']:.2f} s copying in device memory ({moved['memory'] / 1e9:.2f} GB "
+        f"{costs['comm_s']:.2f} s for {moved['link'] / 1e9:.2f} GB per process over the link "
+        + (f"({costs['all_reduce_hidden_s']:.3g} s more behind the backward) " if costs["all_reduce_hidden_s"] else "")
+        + f"(all-reduce {machine.link_gb_s:.3g}, all-gather {machine.gather_gb_s:.3g}, reduce-scatter "
+        f"{machine.scatter_gb_s:.3g} GB/s, {machine.link_source}) + {costs['copies_s']:.2f} s copying in device "
+        f"memory ({moved['memory'] / 1e9:.2f} GB "
         f"in place at {machine.memory_gb_s:.3g} GB/s, {moved['memory_fresh'] / 1e9:.2f} GB into fresh buffers at "
         f"{machine.fresh_memory_gb_s:.3g} GB/s)"
         + (f" + {costs['offload_s']:.2f} s offload" if costs["offload_s"] else "")
