@@ -15,9 +15,10 @@ The strategies, one accelerate config each (accelerate_configs/<file>, see STRAT
 
 A step's time is compute + GPU-link traffic + PCIe offload traffic + NVMe + host Adam, none assumed to overlap (an
 upper bound, and on PCIe without P2P the links are what overlaps least) but DDP's all-reduce, which PyTorch's DDP runs
-upper bound, and on PCIe without P2P the links are what overlaps least) but DDP's all-reduce, which PyTorch's DDP runs
-it: an all-gather or reduce-scatter of S bytes puts (n-1)/n S on each link, an all-reduce twice that, and a bandwidth is
-the all-reduce bus bandwidth (what nccl-tests calls busbw; measure.measure_links measures it on the real process group).
+bucket by bucket during the backward (ddp_hidden_s; the ZeRO configs here keep overlap_comm off). Traffic is
+counted per process as a ring moves it: an all-gather or reduce-scatter of S bytes puts (n-1)/n S on each link, an
+all-reduce twice that, and a bandwidth is the all-reduce bus bandwidth (what nccl-tests calls busbw;
+measure.measure_links measures it on the real process group).
 The strategies' own copies (buckets, flattening, gathers) and the optimizer step are counted as bytes through device
 memory (traffic), at the two copy rates a run measures. The recommendation is the fastest plan that fits, parameter
 offload only when nothing else does (see compare). Checked against measurement: bench/strategy_vs_plan.py.
