@@ -188,14 +188,17 @@ def test_a_model_whose_layers_are_not_found_is_timed_whole_without_lock_step(mon
 
 def test_ddp_all_reduce_hides_behind_the_syncing_micro_steps_backward_but_its_last_bucket():
     """DDP all-reduces its buckets during the backward of the micro-step that syncs: the plan hides what fits in that
-    backward (2/3 of its compute), never the last 25 MiB bucket; ZeRO (overlap_comm off) and one process, nothing."""
+    backward (2/3 of its compute), never the last bucket (25 MiB, or the input embedding's gradient when larger: DDP
+    gives it a bucket of its own, and the backward makes it last); ZeRO and one process hide nothing."""
     ddp = distributed.Launch(2, 1, "fp32", 4, "none", False, False, 0)
-    p = 100 * 2**20 / 4  # 100 MiB of fp32 gradients: 4 buckets
-    assert costs.ddp_hidden_s(p, ddp, 1.0, 100.0) == pytest.approx(0.75)  # a long backward: all but the last bucket
-    assert costs.ddp_hidden_s(p, ddp, 1.0, 3.0) == pytest.approx(0.5)  # 2/3 x 3 s / 4 micro-steps
-    assert costs.ddp_hidden_s(p, dataclasses.replace(ddp, zero_stage=2), 1.0, 100.0) == 0.0
-    assert costs.ddp_hidden_s(p, dataclasses.replace(ddp, world_size=1), 1.0, 100.0) == 0.0
-    assert costs.ddp_hidden_s(1e6, ddp, 1.0, 100.0) == 0.0  # one bucket holds it all: nothing to overlap
+    p, small = 100 * 2**20 / 4, 2**20  # 100 MiB of fp32 gradients (4 buckets); an embedding of 4 MiB
+    assert costs.ddp_hidden_s(p, small, ddp, 1.0, 100.0) == pytest.approx(0.75)  # a long backward: all but 25 MiB
+    assert costs.ddp_hidden_s(p, small, ddp, 1.0, 3.0) == pytest.approx(0.5)  # 2/3 x 3 s / 4 micro-steps
+    # an embedding over a bucket is a bucket of its own, and its gradient the backward's last: 40 of 100 MiB exposed
+    assert costs.ddp_hidden_s(p, 40 * 2**20 / 4, ddp, 1.0, 100.0) == pytest.approx(0.6)
+    assert costs.ddp_hidden_s(p, small, dataclasses.replace(ddp, zero_stage=2), 1.0, 100.0) == 0.0
+    assert costs.ddp_hidden_s(p, small, dataclasses.replace(ddp, world_size=1), 1.0, 100.0) == 0.0
+    assert costs.ddp_hidden_s(1e6, small, ddp, 1.0, 100.0) == 0.0  # one bucket holds it all: nothing to overlap
 
 
 def test_time_layer_times_the_layers_forward_and_backward_and_nothing_else():
