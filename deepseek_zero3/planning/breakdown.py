@@ -207,7 +207,7 @@ def planned(step: dict, machine) -> dict:
         compute=step["compute_s"],
         copies=step["copies_s"] - optimizer + step["offload_s"],
         optimizer=optimizer + step["host_adam_s"] + step["newton_schulz_s"],
-        all_reduce=moved["all_reduce"] / machine.link_gb_s / 1e9 - step.get("all_reduce_hidden_s", 0.0),
+        all_reduce=moved["all_reduce"] / machine.link_gb_s / 1e9 - step["all_reduce_hidden_s"],
         all_gather=moved["all_gather"] / machine.gather_gb_s / 1e9,
         reduce_scatter=moved["reduce_scatter"] / machine.scatter_gb_s / 1e9,
     )
