@@ -2,6 +2,7 @@
 resume settings."""
 
 import dataclasses
+import itertools
 import json
 import math
 import sys
@@ -14,7 +15,7 @@ import train
 from deepseek_zero3 import cli, distributed
 from deepseek_zero3.cli import UserError
 from deepseek_zero3.model import models
-from deepseek_zero3.planning import costs, model_math
+from deepseek_zero3.planning import costs, measure, model_math
 from deepseek_zero3.recipe.schedule import replan
 from deepseek_zero3.run_dir import checkpoint, metrics, trackers
 from deepseek_zero3.tokens import token_data
@@ -132,6 +133,17 @@ def test_gpu_peak_by_name_and_precision():
     # fp32 is timed, not the 16-bit datasheet
     assert model_math.gpu_peak_flops("NVIDIA GeForce RTX 4090", "fp32") is None
     assert model_math.gpu_peak_flops("Some Future GPU", "bf16") is None
+
+
+def test_a_busy_moment_while_the_cpu_peak_is_timed_does_not_lower_it(monkeypatch):
+    one = type("OneCpuProcess", (), {"device": torch.device("cpu"), "num_processes": 1})()
+    one.wait_for_everyone, one.reduce = lambda: None, lambda t, op: t
+    quiet, _ = measure.measure_peak_flops(one, "fp32")
+    real, calls = measure.time.perf_counter, itertools.count()
+    # The clock jumps 1 s after its first reading: as if the machine ran something else for 1 s inside the timing.
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: real() + (1.0 if next(calls) >= 1 else 0.0))
+    busy, source = measure.measure_peak_flops(one, "fp32")
+    assert busy > quiet / 2 and f"the fastest of {measure.PEAK_REPS}" in source, (busy, quiet)  # ~25 ms a matmul
 
 
 def test_fp16_loss_scale_with_and_without_a_scaler():
