@@ -78,7 +78,7 @@ class Config:
                                  "--resume, then export: a finished model in a new --output_dir, the run left to go on")
     decay_start_step: int = field(0, "the step a decay branch starts at (set by --decay_branch; 0: none)")
     optimizer: str = field("auto", "adamw, muon (Muon for the hidden matrices, AdamW for embedding, head and norms), "
-                                   "or auto: muon for the presets it won on in bench/muon.py (mini), else adamw")
+                                   "or auto: muon for the presets it won on in bench/muon.py (mini, small), else adamw")
     muon_lr: float = field(0.02, "Muon's peak learning rate (the schedule scales it as it scales --lr)")
     muon_momentum: float = field(0.95, "Muon's (Nesterov) momentum")
     muon_weight_decay: float = field(0.0, "Muon's decoupled weight decay")

@@ -174,7 +174,8 @@ def test_a_muon_checkpoint_on_another_zero_process_count_is_refused_before_anyth
 
 def test_auto_picks_muon_for_the_presets_it_won_on_and_old_runs_stay_adamw():
     pick = lambda **kw: optimizer_lib.pick(train.Config(**kw)).optimizer
-    assert pick(model_config="mini") == "muon" and pick(model_config="tiny") == "adamw"
+    assert pick(model_config="mini") == pick(model_config="small") == "muon"  # bench/muon.py: 0.49x and 0.40x
+    assert pick(model_config="tiny") == "adamw"
     assert pick(model_config="mini", optimizer="adamw") == "adamw"
     assert pick(model_config="mini", init_from="some/model") == "adamw"  # not the preset's weights: not benchmarked
     offloaded = distributed.Launch(3, 1, "bf16", 1, "cpu", False, True, 3)

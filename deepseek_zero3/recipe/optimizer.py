@@ -36,7 +36,7 @@ from deepseek_zero3.cli import UserError
 OPTIMIZERS = ("auto", "adamw", "muon")
 # --optimizer auto: Muon for the presets where bench/muon.py found it reaching AdamW's final loss in at most 0.8x the
 # tokens (BENCHMARKS.md, muon_<preset>); AdamW for every other model, --init_from's included.
-MUON_PRESETS = ("mini",)
+MUON_PRESETS = ("mini", "small")
 WORKING_WITH_MUON = "zero3_3gpu.yaml, zero2_3gpu.yaml, ddp_3gpu.yaml, zero3_multinode.yaml or the CPU configs"
 
 
