@@ -45,8 +45,8 @@ def measure_peak_flops(accelerator, precision: str) -> tuple[float, str]:
     return float(accelerator.reduce(local, "sum")), source
 
 
-# measure_peak_flops times this many matmuls (each ~25 ms on one CPU core, a few ms on a GPU).
-PEAK_REPS = 10
+# measure_peak_flops times this many matmuls after a warm-up (each ~25 ms on one CPU core, a few ms on a GPU).
+PEAK_REPS = 5
 
 
 # A CPU run times its own model for the plan (measure_model_rate) up to this many parameters in the 2-layer copy;
