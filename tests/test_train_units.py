@@ -2,10 +2,11 @@
 resume settings."""
 
 import dataclasses
-import itertools
 import json
 import math
+import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -19,6 +20,8 @@ from deepseek_zero3.planning import costs, measure, model_math
 from deepseek_zero3.recipe.schedule import replan
 from deepseek_zero3.run_dir import checkpoint, metrics, trackers
 from deepseek_zero3.tokens import token_data
+
+THREADS = torch.get_num_threads()
 
 
 def test_lr_warmup_then_cosine_to_floor():
@@ -135,15 +138,28 @@ def test_gpu_peak_by_name_and_precision():
     assert model_math.gpu_peak_flops("Some Future GPU", "bf16") is None
 
 
-def test_a_busy_moment_while_the_cpu_peak_is_timed_does_not_lower_it(monkeypatch):
+def test_the_cpu_peak_is_a_cores_rate_in_cpu_time_times_the_cores_the_launch_can_use():
     one = type("OneCpuProcess", (), {"device": torch.device("cpu"), "num_processes": 1})()
     one.wait_for_everyone, one.reduce = lambda: None, lambda t, op: t
-    quiet, _ = measure.measure_peak_flops(one, "fp32")
-    real, calls = measure.time.perf_counter, itertools.count()
-    # The clock jumps 1 s after its first reading: as if the machine ran something else for 1 s inside the timing.
-    monkeypatch.setattr(measure.time, "perf_counter", lambda: real() + (1.0 if next(calls) >= 1 else 0.0))
-    busy, source = measure.measure_peak_flops(one, "fp32")
-    assert busy > quiet / 2 and f"the fastest of {measure.PEAK_REPS}" in source, (busy, quiet)  # ~25 ms a matmul
+    alone, cores, threads = distributed.Launch(1, 1, "fp32", 1, "none", False, False, 0), measure.cpu_cores(), 1
+    torch.set_num_threads(threads)  # as the CPU configs run each process
+    try:
+        quiet, source = measure.measure_peak_flops(one, alone)
+        assert "one core's rate x 1 cores per machine" in source, source
+        # Other work on every core while it is timed (by the clock the rate fell to ~1/3 here): the peak stands.
+        spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * cores + 1)]
+        try:
+            time.sleep(0.5)
+            busy, _ = measure.measure_peak_flops(one, alone)
+        finally:
+            for spinner in spinners:
+                spinner.kill()
+        # 4 processes a core: each process's threads get a quarter of one.
+        crowded, source = measure.measure_peak_flops(one, dataclasses.replace(alone, world_size=4 * cores))
+    finally:
+        torch.set_num_threads(THREADS)
+    assert busy > quiet / 2, (busy, quiet)
+    assert crowded == pytest.approx(quiet / 4, rel=0.5) and f"x {cores} cores per machine" in source, (crowded, quiet)
 
 
 def test_fp16_loss_scale_with_and_without_a_scaler():

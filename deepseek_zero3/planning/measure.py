@@ -16,37 +16,56 @@ from deepseek_zero3.distributed import Launch
 from deepseek_zero3.planning.model_math import GIB, gpu_peak_flops, model_flops_per_token, param_counts
 
 
-def measure_peak_flops(accelerator, precision: str) -> tuple[float, str]:
-    """Peak FLOP/s the MFU is measured against: the datasheet for known GPUs, else a large matmul timed now on every
-    process at once (on a CPU the processes share cores, so the sum is what the machine gives them together). The
-    processes start each of PEAK_REPS matmuls together, and each keeps its fastest: a peak, so a moment the machine
-    was busy elsewhere while it was timed does not lower it (it did once by 2x: three runs started on 2 cores at once
-    printed MFU 55% and 111% at the same tokens/s)."""
+def measure_peak_flops(accelerator, launch: Launch) -> tuple[float, str]:
+    """Peak FLOP/s the MFU is measured against, all processes' together: the datasheet for known GPUs, else a large
+    matmul timed now, the fastest of PEAK_REPS on each process. A GPU's by the clock. A CPU's is one core's rate,
+    timed in the process's own CPU time (time.thread_time: the seconds it ran, not those it waited for a core), times
+    the cores the launch's threads can use on each machine, min(processes x threads, cores): other work on the
+    machine while it is timed does not change it (by the clock it did, 5x), and a run that shares its cores with other
+    work has a lower MFU."""
+    precision = launch.precision
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
         flops = gpu_peak_flops(name, precision)
         if flops is not None:
             return flops * accelerator.num_processes, f"{name} datasheet, {precision}"
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision, torch.float32)
-    n = 1024 if accelerator.device.type == "cpu" else 8192
+    cpu = accelerator.device.type == "cpu"
+    n = 1024 if cpu else 8192
     a = torch.randn(n, n, device=accelerator.device, dtype=dtype)
     b = torch.randn(n, n, device=accelerator.device, dtype=dtype)
     a @ b
+    clock = time.thread_time if cpu else time.perf_counter
     fastest = math.inf
     for _ in range(PEAK_REPS):
         accelerator.wait_for_everyone()
-        t0 = time.perf_counter()
+        t0 = clock()
         a @ b
-        if accelerator.device.type == "cuda":
+        if not cpu:
             torch.cuda.synchronize()
-        fastest = min(fastest, time.perf_counter() - t0)
-    local = torch.tensor([2 * n**3 / fastest], device=accelerator.device)
-    source = f"{n}x{n} {str(dtype).replace('torch.', '')} matmul timed on all processes, the fastest of {PEAK_REPS}"
-    return float(accelerator.reduce(local, "sum")), source
+        fastest = min(fastest, clock() - t0)
+    what = f"{n}x{n} {str(dtype).replace('torch.', '')} matmul"
+    if not cpu:
+        local = 2 * n**3 / fastest
+        source = f"{what} timed on all processes, the fastest of {PEAK_REPS}"
+    else:
+        # This thread's CPU seconds are its share of the matmul: 2n^3 / them is the rate of all its threads, each on
+        # a core of its own; the machine's cores are shared out among its processes' threads.
+        per_machine, threads, cores = launch.world_size // launch.nodes, torch.get_num_threads(), cpu_cores()
+        local = 2 * n**3 / fastest * min(1.0, cores / (per_machine * threads))
+        used = min(per_machine * threads, cores)
+        source = f"{what} in CPU time, the fastest of {PEAK_REPS}: one core's rate x {used} cores per machine"
+    total = accelerator.reduce(torch.tensor([local], device=accelerator.device), "sum")
+    return float(total), source
 
 
 # measure_peak_flops times this many matmuls after a warm-up (each ~25 ms on one CPU core, a few ms on a GPU).
 PEAK_REPS = 5
+
+
+def cpu_cores() -> int:
+    """The cores this process may run on (its affinity, as taskset or a container's cpuset set it)."""
+    return len(os.sched_getaffinity(0))
 
 
 # A CPU run times its own model for the plan (measure_model_rate) up to this many parameters in the 2-layer copy;
@@ -226,7 +245,7 @@ def paper_cpu_rate(cfg, c, launch: Launch) -> float | None:
                                   cfg.loss_chunk_tokens)  # fmt: skip
     finally:
         torch.set_num_threads(threads)
-    per_machine, cores = launch.world_size // launch.nodes, len(os.sched_getaffinity(0))
+    per_machine, cores = launch.world_size // launch.nodes, cpu_cores()
     if not rate or per_machine <= cores:
         return rate
     return rate / math.ceil(per_machine / cores) if in_lock_step(launch) else rate * cores / per_machine
