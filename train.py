@@ -571,9 +571,9 @@ def train(cfg: Config, given: set[str]) -> int:
     return code
 
 
-def run_plan(cfg: Config) -> int:
+def run_plan(cfg: Config, given: set[str] = frozenset()) -> int:
     """`train.py --plan [--compare]`: the plan for a config on paper, no process group and no GPU needed."""
-    return plan.plan_on_paper(cfg, check_flags)
+    return plan.plan_on_paper(cfg, check_flags, given)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -582,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg is None:
         return 2
     if cfg.plan:
-        return run_plan(cfg)
+        return run_plan(cfg, cli.given_fields(Config, argv))
     try:
         return train(cfg, cli.given_fields(Config, argv))
     except UserError as e:  # raised by setup, before anything is written; the same on every process

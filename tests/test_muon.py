@@ -6,6 +6,7 @@ NaN loss at step 3 that every process skips, as with AdamW."""
 
 import dataclasses
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -140,6 +141,25 @@ def test_the_plan_counts_muons_state_and_newton_schulz():
     assert one["newton_schulz_s"] == pytest.approx(model_math.newton_schulz_flops(c) / 3 / machine.flops_per_device)
     offload = costs.step_costs(c, cfg, distributed.Launch(3, 1, "bf16", 1, "cpu", False, True, 3), 1, machine, 0)
     assert not offload["fits"] and "Muon" in offload["why"]
+
+
+def test_the_plan_on_paper_takes_the_optimizer_a_run_would(capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    plan = dict(plan=True, data_dir="none", model_config="small", seq_len=128, micro_batch_size=1)
+    assert train.run_plan(train.Config(**plan, compare=True)) == 0  # auto: AdamW where the optimizer is offloaded
+    rows = dict(re.findall(r"^(zero3_\w+_3gpu\.yaml) .* (yes|no: .*)$", capsys.readouterr().out, re.MULTILINE))
+    assert rows == dict.fromkeys(["zero3_offload_opt_3gpu.yaml", "zero3_offload_3gpu.yaml", "zero3_nvme_3gpu.yaml"],
+                                 "yes"), rows  # fmt: skip
+    assert train.run_plan(train.Config(**plan, compare=True, optimizer="muon")) == 0
+    assert capsys.readouterr().out.count("no: Muon does not run with the optimizer offloaded") == 3
+    assert train.run_plan(train.Config(**plan, max_grad_norm=1.0), {"max_grad_norm"}) == 2  # as the run refuses it
+    assert "auto's choice for --model_config small" in capsys.readouterr().err
+    c, _ = model_of("small", 4096)  # each row: Muon's Newton-Schulz where the optimizer is on the GPUs, else AdamW's
+    machine = costs.machine_for(train.Config(), distributed.Launch(3, 1, "bf16", 1, "none", False, True, 3), 1e12)
+    for offload, muon in (("none", True), ("cpu", False)):
+        launch = distributed.Launch(3, 1, "bf16", 1, offload, False, True, 3)
+        _, k = costs.largest_fitting(c, train.Config(model_config="small", seq_len=128), launch, machine, 0, 1)
+        assert k["fits"] and (k["newton_schulz_s"] > 0) == muon, (offload, k["why"], k["newton_schulz_s"])
 
 
 def test_flags_and_strategies_muon_refuses():

@@ -13,16 +13,15 @@ The strategies, one accelerate config each (accelerate_configs/<file>, see STRAT
               offload the 16-bit parameters too, copied to the GPU for every pass; with NVMe (ZeRO-Infinity) the
               optimizer states on an SSD, read and written every step
 
-A step's time is compute + GPU-link traffic + PCIe offload traffic + NVMe + host Adam, none assumed to overlap (an
-upper bound, and on PCIe without P2P the links are what overlaps least) but DDP's all-reduce, which PyTorch's DDP runs
-bucket by bucket during the backward (ddp_hidden_s). DeepSpeed's overlap_comm (its default under ZeRO-3 on GPUs, off in
-the CPU configs here) is not counted: the ZeRO rows are the pessimistic ones. Traffic is
-counted per process as a ring moves it: an all-gather or reduce-scatter of S bytes puts (n-1)/n S on each link, an
-all-reduce twice that, and a bandwidth is the all-reduce bus bandwidth (what nccl-tests calls busbw;
-measure.measure_links measures it on the real process group).
-The strategies' own copies (buckets, flattening, gathers) and the optimizer step are counted as bytes through device
-memory (traffic), at the two copy rates a run measures. The recommendation is the fastest plan that fits, parameter
-offload only when nothing else does (see compare). Checked against measurement: bench/strategy_vs_plan.py.
+A step's time is compute + GPU-link traffic + PCIe offload traffic + NVMe + host Adam, none assumed to overlap (an upper
+bound, and on PCIe without P2P the links are what overlaps least) but DDP's all-reduce, which PyTorch's DDP runs bucket
+by bucket during the backward (ddp_hidden_s). DeepSpeed's overlap_comm (its default under ZeRO-3 on GPUs, off in the CPU
+configs here) is not counted: the ZeRO rows are the pessimistic ones. Traffic is counted per process as a ring moves it:
+an all-gather or reduce-scatter of S bytes puts (n-1)/n S on each link, an all-reduce twice that, and a bandwidth is the
+all-reduce bus bandwidth (what nccl-tests calls busbw; measure.measure_links measures it on the real process group). The
+strategies' own copies (buckets, flattening, gathers) and the optimizer step are counted as bytes through device memory
+(traffic), at the two copy rates a run measures. The recommendation is the fastest plan that fits, parameter offload
+only when nothing else does (see compare). Checked against measurement: bench/strategy_vs_plan.py.
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ import math
 from deepseek_zero3.distributed import Launch
 from deepseek_zero3.planning import measure, model_math
 from deepseek_zero3.planning.model_math import FIT_FRACTION, GIB, is_moe, model_flops_per_token, param_counts
+from deepseek_zero3.recipe import optimizer
 
 # The share of host RAM a plan may fill: the OS, the page cache the data is read through and the launcher need the rest.
 HOST_FIT_FRACTION = 0.9
@@ -287,10 +287,8 @@ def step_costs(c, cfg, launch: Launch, micro_batch_size: int, machine: Machine, 
     depth = model_math.mtp_depth(cfg, c)
     muon = getattr(cfg, "optimizer", "adamw") == "muon"
     muon_params = model_math.muon_params(c, depth) if muon else 0
-    mem = memory_plan(
-        c, launch, micro_batch_size, cfg.seq_len, cfg.gradient_checkpointing, cfg.attn_implementation,
-        cfg.loss_chunk_tokens, depth, muon_params,
-    )  # fmt: skip
+    mem = memory_plan(c, launch, micro_batch_size, cfg.seq_len, cfg.gradient_checkpointing, cfg.attn_implementation,
+                      cfg.loss_chunk_tokens, depth, muon_params)  # fmt: skip
     counts = mem["params"]
     ds_host, ds_gpu = deepspeed_estimate(counts, launch)
     need = max(mem["gpu_total"], ds_gpu + mem["gpu"]["activations"] + mem["gpu"]["loss"])
@@ -370,6 +368,7 @@ def ddp_hidden_s(params: float, embedding: float, launch: Launch, all_reduce_s: 
 def largest_fitting(c, cfg, launch: Launch, machine: Machine, base: float, sequences_per_process: int):
     """The largest micro-batch that divides the sequences a process takes per step and fits, with the accumulation that
     keeps that batch: (micro, its costs); (1, the costs of micro-batch 1) when none fits."""
+    cfg = optimizer.pick(cfg, launch)  # --optimizer auto as a run under this launch takes it (AdamW where offloaded)
     divisors = [d for d in range(sequences_per_process, 0, -1) if sequences_per_process % d == 0]
     for micro in divisors:
         run = dataclasses.replace(launch, grad_accum_steps=sequences_per_process // micro)
@@ -454,8 +453,7 @@ def plan_report(cfg, c, launch: Launch, machine: Machine, base: float, steps: in
             f"{gpu['gathered_largest_tensor'] / GIB:.2f} + activations {gpu['activations'] / GIB:.2f} "
             f"(checkpointing {checkpointing}; on: {mem['activations_with_checkpointing'] / GIB:.2f}, "
             f"off: {mem['activations_without_checkpointing'] / GIB:.2f}) + loss {gpu['loss'] / GIB:.2f} "
-            f"({loss_path if cfg.loss_chunk_tokens else 'full logits'}) "
-            f"= {mem['gpu_total'] / GIB:.2f} GiB"
+            f"({loss_path if cfg.loss_chunk_tokens else 'full logits'}) = {mem['gpu_total'] / GIB:.2f} GiB"
         ),
     ]
     if launch.zero_stage:
@@ -521,6 +519,7 @@ def compare(c, cfg, launch: Launch, machine: Machine, base: float) -> tuple[list
     the largest micro-batch that fits; and the recommendation: the fastest that fits, or what would make one fit."""
     per_process = cfg.micro_batch_size * launch.grad_accum_steps
     rows = [(s, *largest_fitting(c, cfg, with_strategy(launch, s, 1), machine, base, per_process)) for s in STRATEGIES]
+    taken = {optimizer.pick(cfg, with_strategy(launch, s, 1)).optimizer for s in STRATEGIES}  # as largest_fitting
     header = (
         f"{'strategy (accelerate_configs/)':<31} {'micro x acc':>11} {'GPU GiB':>8} {'host GiB':>8} {'link GB':>8} "
         f"{'PCIe GB':>8} {'comp s':>7} {'link s':>7} {'copy s':>7} {'offl s':>7} {'optim s':>7} {'tokens/s':>9}  fits"
@@ -529,10 +528,11 @@ def compare(c, cfg, launch: Launch, machine: Machine, base: float) -> tuple[list
         (
             f"compare: {c.model_type}, seq {cfg.seq_len}, {per_process * launch.world_size} sequences per step on "
             f"{launch.world_size} x {machine.gpu_memory_gib:g} GiB GPUs, {launch.precision}, checkpointing "
-            f"{'on' if cfg.gradient_checkpointing else 'off'}; host {machine.host_memory_gib:g} GiB; GPU link "
-            f"{machine.link_gb_s:g} GB/s ({machine.link_source}), PCIe {machine.pcie_gb_s:g} GB/s, GPU memory "
-            f"{machine.memory_gb_s:g} GB/s, NVMe "
-            f"{machine.nvme_gb_s:g} GB/s; compute at {machine.flops_per_device / 1e12:.3g} TFLOP/s per GPU "
+            f"{'on' if cfg.gradient_checkpointing else 'off'}, optimizer "
+            f"{'auto: muon, adamw where offloaded' if len(taken) > 1 else min(taken)}; host "
+            f"{machine.host_memory_gib:g} GiB; GPU link {machine.link_gb_s:g} GB/s ({machine.link_source}), PCIe "
+            f"{machine.pcie_gb_s:g} GB/s, GPU memory {machine.memory_gb_s:g} GB/s, NVMe {machine.nvme_gb_s:g} GB/s; "
+            f"compute at {machine.flops_per_device / 1e12:.3g} TFLOP/s per GPU "
             f"({machine.compute_source}); host Adam at {HOST_ADAM_GB_S:g} GB/s (assumed); traffic per process and "
             "optimizer step; DDP's link s: what its backward does not hide"
         ),
