@@ -28,6 +28,8 @@ ORDER = [
     "schedules",
     "mtp",
     "mtp_seed1",
+    "muon_mini",
+    "muon_small",
 ]
 # (result, what, key, target): a ratio is "at least" its target; a negative target -t means "at most" t.
 SUMMARY = [
@@ -136,6 +138,16 @@ SUMMARY = [
         "val_loss_ratio_with_over_without",
         -1.0,
     ),
+    (
+        "muon_mini",
+        (
+            "tokens Muon needs to reach AdamW's final validation loss / AdamW's tokens, each at its best of 3 LRs, "
+            "`mini`, same tokens (614,400) and windows, 1 CPU process"
+        ),
+        "muon_tokens_ratio",
+        -0.8,
+    ),
+    ("muon_small", "the same, `small`, 100 steps (204,800 tokens)", "muon_tokens_ratio", -0.8),
 ]
 
 
