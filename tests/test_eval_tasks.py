@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from common import harness_command, held_out_words, multiple_choice_rows, read_harness_results
-from conftest import run
+from conftest import TINY, run
 
 import eval as ev
 
@@ -153,6 +153,18 @@ def test_a_checkpoint_scores_as_its_export(preset, trained, moe_ref, docs_data, 
         assert steps[0] < steps[-1] and earlier["nll"] != ours["nll"]
         assert scores(earlier["tasks"])["local_ll"]["perplexity"] != scores(ours["tasks"])["local_ll"]["perplexity"]
     assert run_dir_state(out) == before
+
+
+def test_a_checkpoint_of_a_run_without_deepspeed_scores_as_its_export(docs_data, tmp_path):
+    """One plain process (no DeepSpeed: Accelerate saves the weights whole, model.safetensors) scores as its export."""
+    out = tmp_path / "one"
+    run([sys.executable, "train.py", *TINY, "--max_steps", "2", "--save_every", "2", "--data_dir", docs_data,
+         "--output_dir", out])  # fmt: skip
+    (step,) = (out / "checkpoints").glob("step_*")
+    assert (step / "model.safetensors").is_file() and not (step / "pytorch_model").exists()
+    config = dict(dataset=str(docs_data), split="validation", max_documents=3, max_length=64, dtype="float32")
+    ours, export = (ev.evaluate(ev.Config(model=str(m), **config)) for m in (step, out / "final"))  # no tasks: nll
+    assert ours["step"] == 2 and ours["tokens"] == export["tokens"] and ours["nll"] == pytest.approx(export["nll"])
 
 
 def damaged_runs(trained: Path, tmp_path: Path) -> dict:

@@ -115,8 +115,9 @@ def rotated_away(path: Path) -> UserError:
 
 
 def consolidated_model(ckpt: RunCheckpoint, dtype):
-    """The model of a checkpoint: its model_config.json and the fp32 weights DeepSpeed consolidates from the ZeRO shards
-    in memory, loaded by transformers as from_pretrained loads an export (its weight-name conversions included).
+    """The model of a checkpoint: its model_config.json and its weights (the fp32 weights DeepSpeed consolidates from
+    the ZeRO shards in memory, or a run's without DeepSpeed), loaded by transformers as from_pretrained loads an export
+    (its weight-name conversions included).
     Returns (model, transformers' loading info: missing, unexpected and mismatched tensors)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -128,13 +129,41 @@ def consolidated_model(ckpt: RunCheckpoint, dtype):
         raise
     tag = ckpt.path / "latest"
     tag = tag.read_text().strip() if tag.is_file() else "pytorch_model"
-    if not (ckpt.path / tag).is_dir():
-        if not ckpt.path.is_dir():
-            raise rotated_away(ckpt.path)
+    if (ckpt.path / tag).is_dir():
+        state_dict = zero_state_dict(ckpt, tag)
+    elif (ckpt.path / "model.safetensors").is_file():  # a run without DeepSpeed (one process, DDP): Accelerate's file
+        state_dict = plain_state_dict(ckpt)
+    elif not ckpt.path.is_dir():
+        raise rotated_away(ckpt.path)
+    else:
         raise UserError(
-            f"--model {ckpt.path} has no ZeRO shards ({tag}/ is missing); it was not written by a DeepSpeed run of "
-            f"train.py: pass a checkpoints/step_N directory of one"
+            f"--model {ckpt.path} has neither ZeRO shards ({tag}/) nor model.safetensors: it was not written by "
+            f"train.py, or lost its weights; pass another checkpoints/step_N directory of the run"
         )
+    state_dict = mtp.split_state_dict(state_dict)[0]  # the main network: eval.py scores it alone
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    return model_class.from_pretrained(
+        None, config=config, state_dict=state_dict, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True
+    )
+
+
+def plain_state_dict(ckpt: RunCheckpoint) -> dict:
+    """The weights of a checkpoint saved without DeepSpeed: Accelerate's model.safetensors, whole in one file."""
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(ckpt.path / "model.safetensors"))
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file: safetensors raises several kinds
+        if not ckpt.path.is_dir():
+            raise rotated_away(ckpt.path) from None
+        raise UserError(
+            f"--model {ckpt.path}: its model.safetensors cannot be read ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200] if str(e) else ''}); pass another checkpoint of the run"
+        ) from None
+
+
+def zero_state_dict(ckpt: RunCheckpoint, tag: str) -> dict:
+    """The fp32 weights DeepSpeed consolidates from a checkpoint's ZeRO shards (its `tag`/ directory), in memory."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     try:
@@ -148,8 +177,4 @@ def consolidated_model(ckpt: RunCheckpoint, dtype):
             f"--model {ckpt.path}: its ZeRO shards cannot be consolidated ({type(e).__name__}: "
             f"{str(e).splitlines()[0][:200] if str(e) else ''}); pass another checkpoint of the run"
         ) from None
-    state_dict = mtp.split_state_dict(state_dict)[0]  # the main network: eval.py scores it alone
-    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-    return model_class.from_pretrained(
-        None, config=config, state_dict=state_dict, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True
-    )
+    return state_dict
