@@ -152,8 +152,9 @@ def test_the_plan_on_paper_takes_the_optimizer_a_run_would(capsys, monkeypatch):
                                  "yes"), rows  # fmt: skip
     assert train.run_plan(train.Config(**plan, compare=True, optimizer="muon")) == 0
     assert capsys.readouterr().out.count("no: Muon does not run with the optimizer offloaded") == 3
-    assert train.run_plan(train.Config(**plan, max_grad_norm=1.0), {"max_grad_norm"}) == 2  # as the run refuses it
-    assert "auto's choice for --model_config small" in capsys.readouterr().err
+    for compare in (False, True):  # as the run refuses it (--compare: on the configs without offload)
+        assert train.run_plan(train.Config(**plan, max_grad_norm=1.0, compare=compare), {"max_grad_norm"}) == 2
+        assert "auto's choice for --model_config small" in capsys.readouterr().err
     c, _ = model_of("small", 4096)  # each row: Muon's Newton-Schulz where the optimizer is on the GPUs, else AdamW's
     machine = costs.machine_for(train.Config(), distributed.Launch(3, 1, "bf16", 1, "none", False, True, 3), 1e12)
     for offload, muon in (("none", True), ("cpu", False)):

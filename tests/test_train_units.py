@@ -156,10 +156,14 @@ def test_the_cpu_peak_is_a_cores_rate_in_cpu_time_times_the_cores_the_launch_can
                 spinner.kill()
         # 4 processes a core: each process's threads get a quarter of one.
         crowded, source = measure.measure_peak_flops(one, dataclasses.replace(alone, world_size=4 * cores))
+        assert f"x {cores} cores per machine" in source, source
+        torch.set_num_threads(2)  # a process's threads: a core each, as far as there are cores
+        two, source = measure.measure_peak_flops(one, alone)
+        assert f"x {min(2, cores)} cores per machine" in source and torch.get_num_threads() == 2, source
     finally:
         torch.set_num_threads(THREADS)
     assert busy > quiet / 2, (busy, quiet)
-    assert crowded == pytest.approx(quiet / 4, rel=0.5) and f"x {cores} cores per machine" in source, (crowded, quiet)
+    assert crowded == pytest.approx(quiet / 4, rel=0.5) and two == pytest.approx(quiet * min(2, cores), rel=0.5)
 
 
 def test_fp16_loss_scale_with_and_without_a_scaler():

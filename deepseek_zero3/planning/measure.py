@@ -18,11 +18,12 @@ from deepseek_zero3.planning.model_math import GIB, gpu_peak_flops, model_flops_
 
 def measure_peak_flops(accelerator, launch: Launch) -> tuple[float, str]:
     """Peak FLOP/s the MFU is measured against, all processes' together: the datasheet for known GPUs, else a large
-    matmul timed now, the fastest of PEAK_REPS on each process. A GPU's by the clock. A CPU's is one core's rate,
-    timed in the process's own CPU time (time.thread_time: the seconds it ran, not those it waited for a core), times
-    the cores the launch's threads can use on each machine, min(processes x threads, cores): other work on the
-    machine while it is timed does not change it (by the clock it did, 5x), and a run that shares its cores with other
-    work has a lower MFU."""
+    matmul timed now, the fastest of PEAK_REPS on each process. A GPU's by the clock. A CPU's is one core's rate: the
+    matmul on one thread, timed in that thread's CPU time (time.thread_time: the seconds it ran, not those it waited
+    for a core), times the cores the launch's threads can use on each machine, min(processes x threads, cores). Work
+    elsewhere on the machine while it is timed does not change it (by the clock it did, 5x), and a run that shares
+    its cores with other work has a lower MFU. On several threads the CPU time would not do: a thread that waits for
+    the others at the matmul's end spins, and counts the wait."""
     precision = launch.precision
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
@@ -34,27 +35,32 @@ def measure_peak_flops(accelerator, launch: Launch) -> tuple[float, str]:
     n = 1024 if cpu else 8192
     a = torch.randn(n, n, device=accelerator.device, dtype=dtype)
     b = torch.randn(n, n, device=accelerator.device, dtype=dtype)
-    a @ b
-    clock = time.thread_time if cpu else time.perf_counter
+    clock, threads = (time.thread_time, torch.get_num_threads()) if cpu else (time.perf_counter, 0)
     fastest = math.inf
-    for _ in range(PEAK_REPS):
-        accelerator.wait_for_everyone()
-        t0 = clock()
+    if cpu:
+        torch.set_num_threads(1)
+    try:
         a @ b
-        if not cpu:
-            torch.cuda.synchronize()
-        fastest = min(fastest, clock() - t0)
+        for _ in range(PEAK_REPS):
+            accelerator.wait_for_everyone()
+            t0 = clock()
+            a @ b
+            if not cpu:
+                torch.cuda.synchronize()
+            fastest = min(fastest, clock() - t0)
+    finally:
+        if cpu:
+            torch.set_num_threads(threads)
     what = f"{n}x{n} {str(dtype).replace('torch.', '')} matmul"
     if not cpu:
         local = 2 * n**3 / fastest
         source = f"{what} timed on all processes, the fastest of {PEAK_REPS}"
-    else:
-        # This thread's CPU seconds are its share of the matmul: 2n^3 / them is the rate of all its threads, each on
-        # a core of its own; the machine's cores are shared out among its processes' threads.
-        per_machine, threads, cores = launch.world_size // launch.nodes, torch.get_num_threads(), cpu_cores()
-        local = 2 * n**3 / fastest * min(1.0, cores / (per_machine * threads))
+    else:  # the machine's cores shared out among its processes' threads
+        per_machine, cores = launch.world_size // launch.nodes, cpu_cores()
+        local = 2 * n**3 / fastest * threads * min(1.0, cores / (per_machine * threads))
         used = min(per_machine * threads, cores)
-        source = f"{what} in CPU time, the fastest of {PEAK_REPS}: one core's rate x {used} cores per machine"
+        source = f"{what} on one thread in CPU time, the fastest of {PEAK_REPS}: one core's rate x {used} cores per "
+        source += "machine"
     total = accelerator.reduce(torch.tensor([local], device=accelerator.device), "sum")
     return float(total), source
 

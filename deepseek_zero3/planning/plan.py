@@ -138,8 +138,9 @@ def print_plan(cfg, model_config, given: set[str] = frozenset()) -> None:
     default = "accelerate_configs/zero3_3gpu.yaml" if cfg.compare else "accelerate_configs/zero3_cpu.yaml"
     path = cfg.accelerate_config or default
     launch = read_launch(path)
+    resolved = optimizer.resolve(cfg, given, None if cfg.compare else launch)  # as a run: by preset, Muon unclipped
     if not cfg.compare:  # (--compare resolves --optimizer auto for each row's launch: costs.largest_fitting)
-        cfg = optimizer.resolve(cfg, given, launch)  # as the run would: auto by preset and launch, Muon unclipped
+        cfg = resolved
         optimizer.check(cfg, launch)
     if cfg.gradient_accumulation_steps:
         launch = dataclasses.replace(launch, grad_accum_steps=cfg.gradient_accumulation_steps)
