@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole pipeline on the CPU, offline, once the packages are installed
-# (4:19 on an AMD EPYC with bf16 units; on CPUs without them not timed since Muon became the default for mini).
+# (4:19-6:33 on an AMD EPYC with bf16 units, two sessions; on CPUs without them not timed since Muon became the default for mini).
 #   1. prepare_data.py: the built-in python-docs corpus, a 4096-token byte-level BPE trained on it
 #   2. train.py: a 5M-parameter DeepSeek-architecture model, 3 CPU processes under DeepSpeed ZeRO-3, 300 steps
 #   3. eval.py: perplexity of the exported model on the held-out documents
