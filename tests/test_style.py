@@ -1,8 +1,10 @@
 """The layout rules a forker relies on (issues #15, #21, #36): the three scripts at the root, the library in the
 deepseek_zero3 package; the package, bench/ and tests/ never import a script (a script is what users run and fork,
-not a library); scripts import the package, never each other; no module over 600 lines; no line over 120 characters;
-no function over 80 lines except train.py's train(), which holds the loop and the step in one place (120); no
-function of the three scripts takes more than 6 parameters (what travels together is one object)."""
+not a library); scripts import the package, never each other; the planner is called from one place in setup.
+
+Sizes (lines per module, per function, per line, parameters per function) are guidance in README's "Style" and
+`ruff.toml`, not tests: a fork that adds a flag or a metric to train.py must not fail the suite for its length
+(issue #61)."""
 
 import ast
 
@@ -48,39 +50,6 @@ def test_package_imports_no_script_and_only_absolute(path):
     assert not imported_names(tree) & SCRIPTS
     relative = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level > 0]
     assert not relative, f"{path.name}: relative imports at lines {relative}"
-
-
-FUNCTION_LINES = {("train.py", "train"): 120}
-
-
-@pytest.mark.parametrize("path", SOURCES, ids=name)
-def test_lines_and_functions_are_short(path):
-    text = path.read_text()
-    long_lines = [i + 1 for i, line in enumerate(text.splitlines()) if len(line) > 120]
-    assert not long_lines, f"{path.name}: lines over 120 characters: {long_lines}"
-    long_functions = [
-        (node.name, node.end_lineno - node.lineno + 1)
-        for node in ast.walk(ast.parse(text))
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-        and node.end_lineno - node.lineno + 1 > FUNCTION_LINES.get((path.name, node.name), 80)
-    ]
-    assert not long_functions, f"{path.name}: functions over their line cap: {long_functions}"
-
-
-@pytest.mark.parametrize("path", sorted(REPO.glob("*.py")) + MODULES, ids=name)
-def test_modules_are_under_600_lines(path):
-    assert len(path.read_text().splitlines()) <= 600
-
-
-@pytest.mark.parametrize("script", sorted(SCRIPTS))
-def test_script_functions_take_at_most_6_parameters(script):
-    tree = ast.parse((REPO / f"{script}.py").read_text())
-    wide = [
-        node.name
-        for node in ast.walk(tree)
-        if isinstance(node, ast.FunctionDef) and len(node.args.args) + len(node.args.kwonlyargs) > 6
-    ]
-    assert not wide, f"{script}.py: functions with more than 6 parameters: {wide}"
 
 
 def test_setup_calls_the_planner_from_one_place():
