@@ -1,4 +1,5 @@
-"""Every command in the README's shell blocks names files that exist and flags that the scripts accept."""
+"""Every command in the shell blocks of README.md and docs/*.md names files that exist and flags that the scripts
+accept; every link between them resolves; README stays a front door."""
 
 import re
 import shlex
@@ -9,8 +10,11 @@ from conftest import REPO
 SCRIPTS = {"train.py", "eval.py", "prepare_data.py"}
 
 
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
 def readme_commands() -> list[list[str]]:
-    text = (REPO / "README.md").read_text()
+    text = "\n".join(doc.read_text() for doc in DOCS)
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         joined = re.sub(r"\\\n\s*", " ", block)
@@ -88,3 +92,33 @@ def test_every_gpu_training_command_fits_its_gpus(capsys):
         assert need and float(need[1]) <= float(need[2]), (" ".join(cmd), stdout[-2000:])
         planned += 1
     assert planned >= 4
+
+
+def test_links_between_the_docs_resolve():
+    """A relative link in README.md or docs/*.md names a file of the checkout (and, with #anchor, a heading there)."""
+    import re
+
+    def anchors(path: Path) -> set[str]:
+        heads = re.findall(r"^#+ (.*)$", path.read_text(), flags=re.M)
+        return {re.sub(r"[^a-z0-9 _-]", "", h.lower()).replace(" ", "-") for h in heads}
+
+    checked = 0
+    for doc in DOCS:
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+            if re.match(r"[a-z]+://", target):
+                continue
+            name, _, anchor = target.partition("#")
+            path = (doc.parent / name).resolve() if name else doc
+            assert path.exists(), f"{doc.name}: link to {target}: no such file"
+            if anchor:
+                assert anchor in anchors(path), f"{doc.name}: link to {target}: no such heading"
+            checked += 1
+    assert checked >= 10
+
+
+def test_readme_is_a_front_door():
+    """README.md is read in five minutes (issue #61): at most ~250 lines, the rest by topic under docs/, each linked."""
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 250
+    for doc in DOCS[1:]:
+        assert f"docs/{doc.name}" in text, f"README.md does not link docs/{doc.name}"
