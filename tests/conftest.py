@@ -30,9 +30,31 @@ LONG_FIRST = ["test_train.py", "test_run_dir.py", "test_moe.py", "test_muon.py",
               "test_multinode.py"]  # fmt: skip
 
 
+# The test tiers (docs/testing.md). `make test-fast` runs every test not marked `launch`: pure functions, in-process
+# runs, the scripts' own refusals. A test that starts several processes (accelerate launch, torchrun), itself or
+# through a fixture, is marked `launch`: by its fixture's name here, or by @pytest.mark.launch. Under TEST_TIER=fast a
+# launch from an unmarked test fails it, naming the marker, so the fast tier cannot silently grow slow.
+LAUNCH_FIXTURES = {"ref_run", "trained", "moe_ref"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "launch: starts several processes (accelerate launch, torchrun); not in make "
+                                       "test-fast")  # fmt: skip
+
+
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONG_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order is kept
+    for item in items:
+        if LAUNCH_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.launch)
+
+
+def refuse_launch_in_fast_tier(args) -> None:
+    words = [str(a) for a in args]
+    launcher = any(Path(w).name in ("accelerate", "torchrun") for w in words[:1]) or "torch.distributed.run" in words
+    if launcher and os.environ.get("TEST_TIER") == "fast":
+        pytest.fail(f"{' '.join(words[:3])} ... in make test-fast: mark this test @pytest.mark.launch", pytrace=False)
 CPU_CONFIG = "accelerate_configs/zero3_cpu.yaml"
 # A tiny run: 64-wide 2-layer model, 32-token sequences, global batch 6 on 3 processes.
 TINY = [
@@ -57,6 +79,7 @@ TINY = [
 
 def run(args, check=True, env=None, timeout=600, cwd=REPO, **kw):
     """Run a command from the repository root, as a user would; returns the CompletedProcess (text)."""
+    refuse_launch_in_fast_tier(args)
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     proc = subprocess.run(args, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout, **kw)
     if check and proc.returncode != 0:
