@@ -256,8 +256,13 @@ MOE = ["--model_config", "deepseek-v3-tiny", "--seq_len", "32", "--log_every", "
 
 
 def train_moe(nproc: int, out, data, *extra, micro_batch_size=None):
+    """A run of the MoE preset on `nproc` processes of one torch thread each. torchrun gives each of several processes
+    one thread but leaves a single process every core, and the thread count is part of a CPU's float arithmetic (MKL's
+    float32 matmul on an AMD EPYC, issue #44, or with its AVX2 kernels anywhere, rounds differently on 2 threads than
+    on 1): runs compared with each other compute alike, as far as their process counts let them (see test_moe.py)."""
     micro = micro_batch_size or 6 // nproc
-    return launch(nproc, *MOE, "--micro_batch_size", micro, "--data_dir", data, "--output_dir", out, *extra)
+    return launch(nproc, *MOE, "--micro_batch_size", micro, "--data_dir", data, "--output_dir", out, *extra,
+                  env={"OMP_NUM_THREADS": "1"})  # fmt: skip
 
 
 @pytest.fixture(scope="session")

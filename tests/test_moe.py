@@ -69,9 +69,45 @@ def test_the_rtx4090_preset_fits_three_cards():
     assert "fits:" in proc.stdout and "does NOT fit" not in proc.stdout, proc.stdout
 
 
+def routing_agrees_through(a: dict[int, dict], b: dict[int, dict], steps: range) -> int:
+    """The last of `steps` through which two runs' logs say every token went to the same experts (steps.start - 1 if
+    none): each step's MaxVio equal (integer loads) and its auxiliary loss (which counts each sequence's tokens per
+    expert) within 1e-6. Float noise moves the auxiliary loss by at most 5e-7 (measured); one token sent to another
+    expert moved it by 2e-5 at once, as it moved the loss by 2e-6."""
+    for s in steps:
+        maxvio = [(r[s]["moe_maxvio_max"], r[s]["moe_maxvio_mean"]) for r in (a, b)]
+        if maxvio[0] != maxvio[1] or abs(a[s]["moe_aux_loss"] / b[s]["moe_aux_loss"] - 1) > 1e-6:
+            return s - 1
+    return steps.stop - 1
+
+
+def assert_biases_apart_at_most(a_dir, b_dir, first: int) -> None:
+    """Each bias moves by +-0.003 per step with the sign of its expert's load against the mean: an integer count, equal
+    on both sides while the routing is. Once a token is routed apart (after step `first`), the biases differ and route
+    more tokens apart: each later step can move an entry the other way (2 x 0.003)."""
+    a, b = biases(a_dir), biases(b_dir)
+    assert a and a.keys() == b.keys()
+    apart = max(float((a[name] - b[name]).abs().max()) for name in a)
+    assert apart <= 2 * 0.003 * (STEPS - first), (first, apart)
+
+
 def test_moe_run_logs_balance_and_three_processes_equal_one(moe_ref, docs_data, tmp_path):
     """With one MTP module (the v3 presets' default, issue #40): its loss logged per step beside the main loss and at
-    each validation, both equal on 1 and 3 processes."""
+    each validation, both equal on 1 and 3 processes while the two runs route every token alike.
+
+    Both runs compute with one torch thread per process (conftest.train_moe), yet they cannot be bitwise equal: from
+    step 2 on, 3 processes sum each gradient in another order than one process does, and the routers' scores differ
+    by up to 4e-7 to 2e-5 a step (measured, whatever the threads, the micro-batch split or MKL's kernels). The routers
+    pick experts by comparing scores, and a few of a run's picks are ties to that noise: of the 13,824 here (24 steps x
+    192 tokens x 3 routers), 4 had margins under 1e-6, the smallest 3e-8 to 9e-8 (step 18, a token's second and third
+    expert in the last MoE layer). Such a token goes to another expert in the other run; the biases then differ (their
+    loads do) and send more tokens apart: 32 at step 19, 104 at step 23. From there the two runs are two trajectories,
+    not one computed twice: the losses went 5.8e-5 apart within 3 steps here (with the threads equal), 1.03e-4 on an
+    AMD EPYC (issue #59), and no float bound holds them. So the losses are compared to float noise (1e-6; measured at
+    most 1.8e-7) through the last step the routing agrees, which must include steps 1 and 2: step 1 from the same
+    weights, step 2 after the first update, where a distributed fault in the MoE arithmetic shows (loads not summed
+    over processes, a mean of per-process means, a gradient not averaged). No pick was within 10x its token's noise in
+    steps 1 to 4 of any pairing measured. After the routing parts, the biases are held to their own bound."""
     out, proc = moe_ref
     assert "3 processes" in proc.stdout and "activated per token" in proc.stdout and "| MTP 1 " in proc.stdout
     records = train_records(out)
@@ -79,35 +115,29 @@ def test_moe_run_logs_balance_and_three_processes_equal_one(moe_ref, docs_data, 
     assert all(logged <= set(records[s]) for s in range(1, STEPS + 1))
     assert all("val_mtp_loss_1" in r for r in metrics(out) if "val_loss" in r)
     one = tmp_path / "one"
-    train_moe(1, one, docs_data, "--max_steps", STEPS, "--save_every", 0)
+    single = train_moe(1, one, docs_data, "--max_steps", STEPS, "--save_every", 0)
+    for launched in (proc, single):
+        assert "on cpu, torch threads per process: 1" in launched.stdout, launched.stdout[-3000:]
     ones = train_records(one)
-    for s in range(1, STEPS + 1):
+    first = routing_agrees_through(records, ones, range(1, STEPS + 1))
+    print(f"\nrouting of 3 processes and of 1 agrees through step {first} of {STEPS}")
+    assert first >= 2, first
+    # Each depth's MTP mean is over the global batch's scored targets, not a mean of each process's means (with
+    # document masking they score different numbers: 4e-5 apart, seen).
+    for s in range(1, first + 1):
         for key in ("loss", "mtp_loss_1"):
-            assert abs(records[s][key] - ones[s][key]) / records[s][key] < 1e-4, (s, key)
-    ref_bias, one_bias = biases(out), biases(one)
-    assert ref_bias and ref_bias.keys() == one_bias.keys()
-    assert any(b.abs().sum() > 0 for b in ref_bias.values())  # the biases moved
-    # Each bias moves by +-0.003 per step with the sign of its expert's load against the mean: an integer count, equal
-    # on both sides until a token whose top-k scores tie to float noise (3 processes sum in another order) is routed
-    # to another expert. From then on the biases differ and route more tokens apart: each later step can move an
-    # entry the other way (2 x 0.003). Seen: none in 24 steps without MTP; with it, a first difference at step 18.
-    apart = [s for s in range(1, STEPS + 1)
-             if abs(records[s]["loss"] - ones[s]["loss"]) / records[s]["loss"] > 1e-6
-             or records[s]["moe_maxvio_max"] != ones[s]["moe_maxvio_max"]]  # fmt: skip
-    first = apart[0] - 1 if apart else STEPS  # the step whose loads first differed
-    # Until then the MTP loss agrees to float noise too: each depth's mean is over the global batch's scored targets,
-    # not a mean of each process's means (with document masking they score different numbers: 4e-5 apart, seen).
-    assert all(abs(records[s]["mtp_loss_1"] / ones[s]["mtp_loss_1"] - 1) < 1e-6 for s in range(1, first + 1))
-    changed = {name: (ref_bias[name] - one_bias[name]).abs() for name in ref_bias}
-    assert max(float(d.max()) for d in changed.values()) <= 2 * 0.003 * (STEPS - first) + 1e-6, (first, changed)
+            assert abs(records[s][key] / ones[s][key] - 1) < 1e-6, (s, key, records[s][key], ones[s][key])
+    assert any(b.abs().sum() > 0 for b in biases(out).values())  # the biases moved
+    assert_biases_apart_at_most(out, one, first)
 
 
 def test_stop_and_resume_on_two_processes_equals_straight(moe_ref, docs_data, tmp_path):
     """The reference's step-12 checkpoint of 3 processes resumed by hand in a new --output_dir on 2 (micro-batch 3: the
-    same global batch; issue #38): steps 13-24 as the straight run's to 1e-5, the routers' biases (carried by the
-    checkpoint, moved by every step's expert loads) end equal, and of the reference's directory (a copy: the other test
-    worker reads the reference meanwhile) nothing moves: its checkpoints only gain the universal copy beside step_12
-    (its step_24 was set aside as an abandoned branch)."""
+    same global batch; issue #38): steps 13-24 as the straight run's to 1e-5 while the two route every token alike, the
+    routers' biases (carried by the checkpoint, moved by every step's expert loads) end equal if they did so to the end
+    (2 processes sum in another order than 3, so a routing tie can part them, as in the test above), and of the
+    reference's directory (a copy: the other test worker reads the reference meanwhile) nothing moves: its checkpoints
+    only gain the universal copy beside step_12 (its step_24 was set aside as an abandoned branch)."""
     ref, out = tmp_path / "ref", tmp_path / "resumed"
     shutil.copytree(moe_ref[0], ref)
     half = ref / "checkpoints" / f"step_{HALF}"
@@ -119,11 +149,16 @@ def test_stop_and_resume_on_two_processes_equals_straight(moe_ref, docs_data, tm
     assert (ref / "checkpoints" / "latest").read_text().strip() == f"step_{STEPS}"
     straight, resumed = train_records(moe_ref[0]), train_records(out)
     assert sorted(resumed) == list(range(HALF + 1, STEPS + 1))
-    for s in resumed:
+    first = routing_agrees_through(straight, resumed, range(HALF + 1, STEPS + 1))
+    print(f"\nrouting of the straight and the resumed run agrees through step {first} of {STEPS}")
+    assert first >= HALF + 2, first  # as 3 processes against 1 (test above): a tie routed apart ends the comparison
+    for s in range(HALF + 1, first + 1):
         for key in ("loss", "mtp_loss_1"):  # the MTP module's weights and Adam states resume too
             assert resumed[s][key] == pytest.approx(straight[s][key], rel=1e-5), (s, key)
-    for name, bias in biases(moe_ref[0]).items():
-        assert torch.equal(bias, biases(out)[name]), name
+    if first == STEPS:
+        for name, bias in biases(moe_ref[0]).items():
+            assert torch.equal(bias, biases(out)[name]), name
+    assert_biases_apart_at_most(moe_ref[0], out, first)
 
 
 def test_bias_balancing_lowers_maxvio(moe_ref, docs_data, tmp_path):
