@@ -77,12 +77,15 @@ def test_a_failed_step_is_a_failed_row(tmp_path):
     line of its log that says why, and the check's exit status is 1."""
     mode = dataclasses.replace(gpu_check.CPU, timeouts_s={"data": 2, "eval": 60})
     check = gpu_check.Check(mode, tmp_path, sys.executable)
-    failing = "print('loading'); import sys; print('error: --data_dir nope does not exist', file=sys.stderr); exit(2)"
+    # A worker's error line, then what the launcher prints after it (accelerate launch: ChildFailedError).
+    failing = ("import sys; print('error: --data_dir nope does not exist', file=sys.stderr, flush=True); "
+               "print('Traceback (most recent call last):'); print('torch.distributed.elastic.multiprocessing.errors."
+               "ChildFailedError:'); print('train.py FAILED'); sys.exit(1)")  # fmt: skip
     row = check.row("failing")
     check.failed_run(row, *check.execute(row, "eval", [sys.executable, "-c", failing]))
     slow = check.row("slow")
     check.failed_run(slow, *check.execute(slow, "data", ["bash", "-c", "sleep 30 & echo started; wait"]))
-    assert (row.status, row.detail) == ("FAILED", "exit 2: error: --data_dir nope does not exist")
+    assert (row.status, row.detail) == ("FAILED", "exit 1: error: --data_dir nope does not exist")
     assert slow.status == "FAILED" and slow.detail == "timed out after 2 s: started" and slow.seconds < 10
     assert gpu_check.exit_status(check.rows) == 1
     assert "| failing | FAILED |" in gpu_check.table(check.rows)
