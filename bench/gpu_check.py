@@ -149,12 +149,12 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def launched_as(output: str, processes: int, precision: str) -> str:
-    """Why a run's own batch-plan line contradicts the launch asked for (a launcher can quietly start one process, a
-    config can set another precision); empty when it agrees."""
-    plan = re.search(r"batch plan: .* x (\d+) processes = .*; \w+, (\w+), on", output)
-    if plan and (int(plan[1]), plan[2]) == (processes, precision):
+    """Why a run's own batch-plan line contradicts the launch asked for, accumulation 1 on `processes` in `precision`
+    (a launcher can quietly start one process, a config set another precision); empty when it agrees."""
+    plan = re.search(r"batch plan: \d+ micro x (\d+) accumulation x (\d+) processes = .*; \w+, (\w+), on", output)
+    if plan and (int(plan[1]), int(plan[2]), plan[3]) == (1, processes, precision):
         return ""
-    return f"asked for {processes} processes in {precision}; the run's batch plan: {plan[0] if plan else 'none'}"
+    return f"launched for {processes} processes, accumulation 1, {precision}; the run says: {plan[0] if plan else '?'}"
 
 
 def plan_figures(output: str) -> tuple[float | None, float | None]:
@@ -348,6 +348,8 @@ class Check:
                 "--lr", 3e-4, "--log_every", m.log_every, "--eval_every", 0, "--no_eval_at_start", "--save_every", 0,
                 "--optimizer", "adamw", *(["--gradient_checkpointing"] if shape.checkpointing else []),
                 *([] if masking else ["--no_document_masking"])]  # fmt: skip
+        # Every process kills itself after the step past the last logged one; should one be left waiting on a dead
+        # peer, the launcher kills it 5 s after its SIGTERM, not 30.
         kill = ",".join(f"sigkill_rank:{rank}:{last + 1}" for rank in range(m.processes))
         code, output = self.execute(row, kind, self.launch_cmd(precision, *args),
                                     {"TRAIN_TEST_FAULT": kill, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"})  # fmt: skip
@@ -499,7 +501,7 @@ def run(mode: Mode, out: Path, wheels: Path, python: str) -> int:
             before = len(check.rows)
             try:
                 step()
-            except (cli.UserError, KeyboardInterrupt):
+            except cli.UserError:
                 raise
             except Exception as e:  # noqa: BLE001 - a bug of the check's own fails its row, not the rows after it
                 if len(check.rows) == before:
