@@ -528,16 +528,11 @@ def run(mode: Mode, out: Path, wheels: Path, python: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="command", required=True)
-    sub.add_parser("prepare", help="build .gpu_wheels/ (where pip reaches PyPI)")
-    r = sub.add_parser("run", help="the check on one GPU (--cpu: at tiny size on 2 CPU processes)")
-    r.add_argument("--cpu", action="store_true", help="the same steps at tiny size on 2 CPU processes, with this "
-                                                      "environment's packages")  # fmt: skip
+    ap = argparse.ArgumentParser(description="The GPU check's run half (bash bench/gpu_check.sh run [--cpu]).")
+    ap.add_argument("--cpu", action="store_true", help="the same steps at tiny size on 2 CPU processes, with this "
+                                                       "environment's packages")  # fmt: skip
     args = ap.parse_args(argv)
     try:
-        if args.command == "prepare":
-            return gpu_wheels.prepare(gpu_wheels.WHEELS)
         mode = CPU if args.cpu else GPU
         out = Path(os.environ.get("OUT") or REPO / "bench" / "results" / f"gpu_check{'_cpu' if args.cpu else ''}")
         return run(mode, out, gpu_wheels.WHEELS, sys.executable)

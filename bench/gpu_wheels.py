@@ -7,6 +7,8 @@
 
 The box (the device tool's GPU machines) has Python 3.12, torch 2.11 (CUDA 13), transformers 5.17, accelerate 1.15,
 huggingface_hub 1.33, tokenizers 0.23, pyarrow, numpy, ... but no DeepSpeed, no `datasets`, no lm-eval, no network.
+`python bench/gpu_wheels.py` is prepare (what `bash bench/gpu_check.sh prepare` runs): it needs pip and the standard
+library only, so any Python with pip makes the folder.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from common import REPO
-
-from deepseek_zero3 import cli
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from deepseek_zero3 import cli  # after the path above; it needs the standard library only, as this module
 
 WHEELS = REPO / ".gpu_wheels"
 MANIFEST = "MANIFEST.json"
@@ -83,7 +85,10 @@ def wheel_metadata(path: Path) -> dict:
 def needed(requires: list[str]) -> list:
     """The requirements (packaging Requirement) that apply on the box: no extra's, markers evaluated for this
     Python's kind of platform (Linux x86_64, the box's Python version)."""
-    from packaging.requirements import Requirement
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:  # a Python with pip alone: pip's own copy
+        from pip._vendor.packaging.requirements import Requirement
 
     env = {"extra": "", "python_version": PYTHON_VERSION, "python_full_version": f"{PYTHON_VERSION}.0",
            "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64"}  # fmt: skip
@@ -220,3 +225,14 @@ def unmet(python: str, env: dict, rows: list[dict]) -> list[str]:
         lines = proc.stderr.strip().splitlines()
         return [f"the check of the requirements failed: {lines[-1] if lines else proc.returncode}"]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(description="The GPU check's prepare half (bash bench/gpu_check.sh prepare).").parse_args()
+    try:
+        sys.exit(prepare(WHEELS))
+    except cli.UserError as e:
+        cli.print_error(str(e))
+        sys.exit(2)

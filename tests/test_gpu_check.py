@@ -4,6 +4,7 @@ timeouts) are tested on what they read. No GPU runs here: the GPU branch is the 
 wheels installed first, and no DS_ACCELERATOR."""
 
 import dataclasses
+import importlib.metadata
 import json
 import re
 import subprocess
@@ -118,8 +119,9 @@ def test_wheel_folder_checks(tmp_path):
     with pytest.raises(cli.UserError, match=r"bad-1.0-py3-none-any.whl requires not-a-package-here>=2, neither"):
         gpu_wheels.check_wheels([ok, bad])
     rows = [{"file": bad.name, "name": "bad", "requires": ["numpy>=1", "not-a-package-here>=2", "numpy<1"]}]
+    numpy = importlib.metadata.version("numpy")
     assert gpu_wheels.unmet(sys.executable, {}, rows) == [
-        f"{bad.name}: not-a-package-here>=2 (found none)", f"{bad.name}: numpy<1 (found {__import__('numpy').__version__})"
+        f"{bad.name}: not-a-package-here>=2 (found none)", f"{bad.name}: numpy<1 (found {numpy})"
     ]  # fmt: skip
     folder = tmp_path / "folder"
     folder.mkdir()
