@@ -243,14 +243,15 @@ def main():
     for name in ORDER:
         if name in results:
             lines += section(name, results[name])
-    gpu = RESULTS / "gpu" / "summary.txt"
+    gpu = RESULTS / "gpu_check" / "summary.md"  # what `bash bench/gpu_check.sh run` writes on a GPU machine
     lines += ["## GPU", ""]
     lines.append(
         gpu.read_text()
         if gpu.is_file()
-        else "`bench/gpu_check.sh` (fp16 ZeRO-3 with loss scaling, bf16, tokens/s and MFU of deepseek-1.3b at 2048 "
-        "tokens, peak memory against the plan) is prepared but has **not run**: no GPU machine was lent to the "
-        "sessions so far. No GPU figure in this repository is measured yet."
+        else "`bash bench/gpu_check.sh run` (deepseek-1.3b and deepseek-v3-mini in bf16 and fp16: tokens/s, MFU, peak "
+        "memory against the plan; document masking's cost; a stop and an exact resume; eval.py on the export) is "
+        "prepared but has **not run**: no GPU machine was lent to the sessions so far. Its CPU half, `run --cpu`, is "
+        "part of the tests. No GPU figure in this repository is measured yet."
     )
     (REPO / "BENCHMARKS.md").write_text("\n".join(lines) + "\n")
     print((REPO / "BENCHMARKS.md").read_text())

@@ -25,9 +25,9 @@ needs_wikitext = pytest.mark.skipif(
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 # The files with the longest runs first: `make test`'s workers (pytest-xdist, --dist loadfile) take whole files in
 # collection order, so a long file handed out last would run alone while the other worker idles.
-LONG_FIRST = ["test_train.py", "test_run_dir.py", "test_moe.py", "test_muon.py", "test_eval.py", "test_resilience.py",
-              "test_reshard.py", "test_recipe.py", "test_precision.py", "test_harness.py", "test_eval_tasks.py",
-              "test_multinode.py"]  # fmt: skip
+LONG_FIRST = ["test_train.py", "test_run_dir.py", "test_gpu_check.py", "test_moe.py", "test_muon.py", "test_eval.py",
+              "test_resilience.py", "test_reshard.py", "test_recipe.py", "test_precision.py", "test_harness.py",
+              "test_eval_tasks.py", "test_multinode.py"]  # fmt: skip
 
 
 # The test tiers (docs/testing.md). `make test-fast` runs every test not marked `launch`: pure functions, in-process
