@@ -28,6 +28,7 @@ def cpu_has(precision: str) -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
 
 
+@pytest.mark.launch
 def test_cpu_check_runs_every_step(tmp_path):
     """`run --cpu` as a user runs it: every row OK (bf16/fp16 SKIPPED, saying why, where this CPU lacks the units), 2
     processes in every launch, the speed runs leaving nothing on disk, the resumed losses equal to the straight run's,
