@@ -237,6 +237,7 @@ class Run:
             "data_dir": data_dir,
             "total_steps": self.total_steps,
             "config": {**dataclasses.asdict(self.cfg), "data_dir": data_dir},
+            **({"branch": self.resume.branch} if self.resume and self.resume.branch else {}),  # explicit_resume's
         }
 
 
@@ -285,8 +286,9 @@ def check(cfg: Config, given: set[str], accelerator) -> Run:
         card.check_push(cfg.push_to_hub)
     resilience.lock_run_dir(accelerator, Path(cfg.output_dir))  # before anything in OUT is read (a new OUT: in setup)
     checkpoint.check_output_dir(cfg.output_dir, cfg.resume)
-    found = checkpoint.find_resume_checkpoint(cfg.resume, Path(cfg.output_dir) / "checkpoints", accelerator)
-    resume = checkpoint.Resume(found, checkpoint.read_trainer_state(found)) if found else None
+    # A decay branch's first launch refuses an OUT with checkpoints itself (schedule.branch_settings).
+    resume = checkpoint.find_resume_checkpoint(cfg.resume, Path(cfg.output_dir) / "checkpoints", accelerator,
+                                               own_work=not cfg.decay_branch)  # fmt: skip
     if resume is not None:
         cfg, resume = checkpoint.resume_settings(cfg, given, resume, accelerator.print)
         check_flags(cfg)
@@ -425,7 +427,7 @@ def setup(cfg: Config, given: set[str]) -> tuple[Run, Parts]:
     resilience.lock_run_dir(accelerator, out)
     finaliser = checkpoint.first_process_on_disk(accelerator, ckpt_root)
     if finaliser:
-        if removed := checkpoint.remove_leftovers(ckpt_root, finished=False):
+        if removed := checkpoint.remove_leftovers(ckpt_root):
             print(f"removed what earlier runs left unfinished in {ckpt_root}: {', '.join(removed)}")
     accelerator.wait_for_everyone()
     mem_before_model_gib = metrics.peak_memory_gib(accelerator.device)  # the baseline the plan's estimate adds to
@@ -544,7 +546,7 @@ def train(cfg: Config, given: set[str]) -> int:
             saved = checkpoint.save_checkpoint(
                 accelerator,
                 checkpoint.Save(ckpt_root, step, run.state_at(step, skips.total), run.model_config, cfg.keep_last),
-                run.resume.path if run.resume else None,
+                run.resume.kept if run.resume else (),
                 parts.finaliser,
             )
             accelerator.print(f"saved {saved}")
