@@ -476,7 +476,9 @@ def train(cfg: Config, given: set[str]) -> int:
             for s in run.data.sources
             if token_data.num_windows(len(s.val_tokens), cfg.seq_len)
         }
-        log(*metrics.validation_record(run, step, losses))
+        record, console = metrics.validation_record(run, step, losses)
+        log(record, console)
+        resilience.check_validation(record, step)  # the same on every process: the losses are reduced over all
 
     stop_signals = resilience.StopSignals(out, rank)  # preemption, Ctrl-C, a closed terminal: finish the step, save
     step = run.resume.state["step"] if run.resume is not None else 0

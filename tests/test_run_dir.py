@@ -513,3 +513,19 @@ def test_a_branch_set_aside_never_joins_an_older_one(tmp_path, monkeypatch):
     assert checkpoint.set_aside(ckpts) == [older, new]
     assert (ckpts / "latest").read_text() == "step_2\n"
 
+
+def test_a_validation_loss_past_a_float_perplexity_stops_the_run_as_diverged(done_run, tmp_path):
+    """Issue #59, case 2: a run resumed at step 2 with an LR that blows the model up (--lr 1000, no clipping): the
+    validation after step 3 gives a loss whose perplexity is past the largest float. The run stops as diverged (exit
+    3, one line), the validation on record (its perplexity null), step_2 intact and still the newest (it used to end
+    in an OverflowError traceback, exit 1, which every restart replayed)."""
+    out = copy_run(done_run, tmp_path)
+    step_2 = tree(out / "checkpoints" / "step_2")
+    proc = train("--output_dir", out, "--resume", "auto", "--lr", "1000", "--max_grad_norm", "0", "--eval_every", "1",
+                 check=False)  # fmt: skip
+    line = assert_refused(proc, 3, "step 3: the validation loss is", "the run diverged", "--resume auto with a lower")
+    val = [r for r in metrics_records(out / "metrics.jsonl") if "val_loss" in r][-1]
+    assert val["step"] == 3 and val["val_loss"] > 709.8 and val["val_ppl"] is None, (val, line)
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_2"
+    assert not (out / "checkpoints" / "step_3").exists()
+    assert tree(out / "checkpoints" / "step_2") == step_2

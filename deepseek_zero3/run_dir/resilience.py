@@ -18,6 +18,7 @@ import errno
 import faulthandler
 import fcntl
 import json
+import math
 import os
 import signal
 import socket
@@ -230,6 +231,19 @@ class Skips:
                 f"change them), or check the data"
             )
         return True
+
+
+def check_validation(record: dict, step: int) -> None:
+    """A validation loss that is not finite, or so large that its perplexity is past the largest float (over ~709.8
+    nats per token, where a uniform guess over a vocabulary of 100k tokens costs 11.5), is a diverged model: the run
+    stops (Diverged, exit 3) before this step's checkpoint would be written. record: metrics.validation_record's."""
+    if not math.isfinite(record["val_ppl"]):
+        raise Diverged(
+            f"step {step}: the validation loss is {record['val_loss']:.4g} nats per token (perplexity "
+            f"{record['val_ppl']}): the run diverged; stopping without saving this step. The last checkpoint is "
+            f"intact: --resume auto with a lower --lr or a higher --warmup_steps (a resume may change them), or check "
+            f"the data"
+        )
 
 
 class Watchdog:
