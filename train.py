@@ -284,6 +284,7 @@ def check(cfg: Config, given: set[str], accelerator) -> Run:
         raise UserError("--decay_start_step is set by --decay_branch (the checkpoint's step), not by hand: drop it")
     if cfg.push_to_hub:
         card.check_push(cfg.push_to_hub)
+    checkpoint.check_paths(cfg, token_data.data_dirs(cfg.data_dir))  # OUT's deepest file included, before any is read
     resilience.lock_run_dir(accelerator, Path(cfg.output_dir))  # before anything in OUT is read (a new OUT: in setup)
     checkpoint.check_output_dir(cfg.output_dir, cfg.resume)
     # A decay branch's first launch refuses an OUT with checkpoints itself (schedule.branch_settings).
@@ -596,7 +597,8 @@ def main(argv: list[str] | None = None) -> int:
         cli.print_error(str(e), wait=getattr(e, "follows_another", False))
         return 3
     except OSError as e:  # a full disk, a file size limit, a vanished mount while writing metrics or final/
-        cli.print_error(f"{e.filename}: {e.strerror or e}; complete checkpoints are intact: fix it, then --resume auto")
+        cli.print_error(f"{cli.shown(e.filename)}: {e.strerror or e}; complete checkpoints are intact: "
+                        f"{checkpoint.fix_for(e)}, then --resume auto")  # fmt: skip
         return 3
 
 

@@ -529,3 +529,57 @@ def test_a_validation_loss_past_a_float_perplexity_stops_the_run_as_diverged(don
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_2"
     assert not (out / "checkpoints" / "step_3").exists()
     assert tree(out / "checkpoints" / "step_2") == step_2
+
+
+def deep_path(root: Path, n_bytes: int) -> Path:
+    """A path of n_bytes under root, in names of 200 bytes (each allowed; the whole near PATH_MAX)."""
+    path = str(root / "deep")
+    while len(path) < n_bytes - 201:
+        path += "/" + "d" * 200
+    return Path(path + "/" + "e" * (n_bytes - len(path) - 1))
+
+
+def unusable_paths(docs_data: Path, tmp_path: Path) -> dict:
+    """Paths train.py cannot use, each with what its one line says. Before the checks: the long --output_dir trained
+    until its first save and then advised freeing space; a name over 255 bytes failed in Python's own checks (exit 3,
+    "complete checkpoints are intact ... --resume auto"); data behind a name that is not UTF-8 was "a tokenizer no
+    one can read, rebuild the data"; a newline in a name broke the one error line in two."""
+    not_utf8 = Path(os.fsdecode(bytes(tmp_path) + b"/data-\xff"))
+    not_utf8.symlink_to(docs_data)
+    newline = tmp_path / "a\nfile"
+    newline.write_text("mine\n")
+    return {
+        "output_dir past PATH_MAX": (["--output_dir", deep_path(tmp_path, 4055)],
+                                     ["is 4,055 bytes long, and train.py writes files up to 256 bytes below it",
+                                      "bytes a path may have on that filesystem; choose a shorter path"]),
+        "output_dir name past NAME_MAX": (["--output_dir", tmp_path / ("o" * 300)],
+                                          ["a name of 300 bytes, over the 255 bytes a name may have"]),
+        "resume name past NAME_MAX": (["--output_dir", tmp_path / "out", "--resume", tmp_path / ("c" * 256)],
+                                      ["--resume", "a name of 256 bytes", "no file can have that name"]),
+        "data_dir not UTF-8": (["--data_dir", not_utf8, "--output_dir", tmp_path / "out"],
+                               [r"data-\udcff is not valid UTF-8", "rename it in UTF-8"]),
+        "a newline in the name": (["--output_dir", newline], [r"a\nfile is a file, not a directory"]),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ["output_dir past PATH_MAX", "output_dir name past NAME_MAX",
+                                  "resume name past NAME_MAX", "data_dir not UTF-8", "a newline in the name"])  # fmt: skip
+def test_paths_the_filesystem_cannot_take_are_refused_before_anything_is_written(docs_data, tmp_path, case):
+    """Issue #59, case 3, and the class "a file's name is whatever bytes the filesystem allows"."""
+    args, needles = unusable_paths(docs_data, tmp_path)[case]
+    before = os.listdir(tmp_path)
+    proc = train(*RUN, "--data_dir", docs_data, *args, check=False)
+    assert_refused(proc, 2, *needles)
+    assert os.listdir(tmp_path) == before
+
+
+def test_a_write_refused_for_a_long_name_does_not_advise_freeing_space(tmp_path):
+    """A checkpoint write the filesystem refuses for a name too long (a real ENAMETOOLONG) names the fix for that, not
+    "free space" (which, with --resume auto, used to fail the same way)."""
+    from deepseek_zero3.run_dir import checkpoint
+
+    with pytest.raises(OSError) as refused:
+        (tmp_path / ("x" * 300)).write_text("")
+    line = str(checkpoint.write_failure(tmp_path / ".tmp-step_2", refused.value, tmp_path / "step_1"))
+    assert "File name too long" in line and "free space" not in line, line
+    assert "move the run directory to a shorter path and give that as --output_dir" in line, line

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from deepseek_zero3.cli import UserError, fault, remove, replace_dir, write_atomic, write_json_atomic
+from deepseek_zero3.cli import UserError, check_path, fault, remove, replace_dir, write_atomic, write_json_atomic
 from deepseek_zero3.model import models, mtp
 
 # Settings that change what a run reports or where it reads and writes, not what it trains: free to change on resume.
@@ -54,6 +54,22 @@ RESOLVED_BY_THE_RUN = {("mtp_depth", -1), ("optimizer", "auto")}
 
 MARKER = "train_run.json"  # written into OUT before anything else: the only directories train.py writes into
 LOCK = ".lock"  # OUT's lock file: not what makes OUT non-empty or a run's
+
+
+# How deep a run writes below OUT, in bytes, with room to spare: the deepest are a universal checkpoint's per-parameter
+# files (reshard.py), checkpoints/.tmp-step_N.universal/pytorch_model/tmp/<parameter name>/0/exp_avg_sq.<rank>, about
+# 125 bytes for DeepSeek-V3's expert weights, and W&B's offline files under wandb/, about 90.
+DEPTH_BELOW_OUT = 256
+
+
+def check_paths(cfg, data_dirs: list[str]) -> None:
+    """train.py's path flags, before anything is read or written: what the filesystem or the libraries cannot take is
+    refused in one line (cli.check_path), --output_dir with the deepest file a run writes below it."""
+    check_path("--output_dir", cfg.output_dir, DEPTH_BELOW_OUT)
+    for flag, value in [("--data_dir", d) for d in data_dirs] + [("--resume", cfg.resume), ("--init_from",
+                        cfg.init_from), ("--model_config", cfg.model_config)]:  # fmt: skip
+        if value and value != "auto":
+            check_path(flag, value)
 
 
 def check_output_dir(output_dir: str, resume: str) -> None:
@@ -533,6 +549,11 @@ def write_failure(tmp: Path, error: BaseException, last_good: Path | None,
         failure.follows_another = True  # said after a pause, so that the failed process's own line comes alone
         return failure
 
+    if too_long(error):  # not a full disk: freeing space would not help
+        return CheckpointWriteError(
+            f"writing {what} {tmp} failed: {type(error).__name__}: {error}; {keep}: {fix_for(error)}, then rerun "
+            f"with --resume auto"
+        )
     free_gib = shutil.disk_usage(tmp if tmp.exists() else tmp.parent).free / 2**30
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     why = f"{free_gib:.1f} GiB free on that disk" + (
@@ -542,6 +563,20 @@ def write_failure(tmp: Path, error: BaseException, last_good: Path | None,
         f"writing {what} {tmp} failed: {type(error).__name__}: {error} ({why}); {keep}: free space or raise "
         f"the limit, then rerun with --resume auto"
     )
+
+
+def too_long(error: BaseException) -> bool:
+    """Whether a write failed for a name or path past the filesystem's limit (torch and safetensors report it in
+    their own exception types, with the system's words)."""
+    return getattr(error, "errno", None) == errno.ENAMETOOLONG or os.strerror(errno.ENAMETOOLONG) in str(error)
+
+
+def fix_for(error: BaseException) -> str:
+    """What to do about a failed write of the run's (train.py's last words on an OSError)."""
+    if too_long(error):
+        return ("a path in OUT is past the filesystem's limit: move the run directory to a shorter path and give "
+                "that as --output_dir")  # fmt: skip
+    return "fix it"
 
 
 @dataclasses.dataclass(frozen=True)
