@@ -56,9 +56,11 @@ MARKER = "train_run.json"  # written into OUT before anything else: the only dir
 LOCK = ".lock"  # OUT's lock file: not what makes OUT non-empty or a run's
 
 
-# How deep a run writes below OUT, in bytes, with room to spare: the deepest are a universal checkpoint's per-parameter
-# files (reshard.py), checkpoints/.tmp-step_N.universal/pytorch_model/tmp/<parameter name>/0/exp_avg_sq.<rank>, about
-# 125 bytes for DeepSeek-V3's expert weights, and W&B's offline files under wandb/, about 90.
+# How deep a run writes below OUT, in bytes, with room to spare for longer parameter names and step numbers. The
+# deepest seen: a universal checkpoint's per-parameter files (reshard.py), 114 bytes for deepseek-v3-tiny's
+# checkpoints/step_12.universal/pytorch_model/zero/mtp.0.mtp_block.self_attn.kv_a_proj_with_mqa.weight/exp_avg_sq.pt;
+# DeepSpeed's shards 75 (checkpoints/step_10/pytorch_model/zero_pp_rank_2_mp_rank_00_optim_states.pt), W&B's offline
+# files 66.
 DEPTH_BELOW_OUT = 256
 
 
