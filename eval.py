@@ -560,7 +560,12 @@ def main(argv: list[str] | None = None) -> int:
         cli.print_error("--model is required: a model directory such as the OUT/final that train.py writes")
         return 2
     try:
+        for flag, value in (("--model", cfg.model), ("--tokenizer", cfg.tokenizer), ("--dataset", cfg.dataset),
+                            ("--include_path", cfg.include_path)):  # fmt: skip
+            if value:  # names the filesystem or safetensors cannot take: before Python's own checks trip on them
+                cli.check_path(flag, value)
         if cfg.output_json:
+            cli.check_path("--output_json", cfg.output_json, 0, beside=".{}.tmp")  # write_json_atomic's temporary
             check_output_path(cfg.output_json)
         if cfg.update_card:
             card.check_card(Path(cfg.model))

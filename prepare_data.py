@@ -36,6 +36,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import hashlib
 import json
@@ -182,6 +183,11 @@ def peak_rss_mib() -> float:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+# How deep this script writes below --output_dir (and its work directory), in bytes, with room to spare: the deepest
+# is tokenizer/tokenizer_config.json, 31.
+OUTPUT_DEPTH = 64
+
+
 def validate(cfg: Config) -> None:
     """Everything that can be checked before reading any corpus."""
     if not cfg.dataset:
@@ -194,6 +200,14 @@ def validate(cfg: Config) -> None:
         raise UserError(f"--checkpoint_mb {cfg.checkpoint_mb} must be at least 1")
     if not cfg.doc_separator:
         raise UserError("--doc_separator is empty; use file, blank_line or a literal string such as '<|endoftext|>'")
+    # Names the filesystem or the tokenizer cannot take, refused before the checks below trip on them (Python 3.11's
+    # Path.exists raises on a name past the filesystem's limit) and before anything is written.
+    cli.check_path("--output_dir", cfg.output_dir, OUTPUT_DEPTH, beside=".{}.partial")
+    for spec in cfg.dataset:
+        if spec not in corpora.HUB_PRESETS and spec not in corpora.BUILTIN_SOURCES:
+            cli.check_path("--dataset", spec)
+    if parse_bpe_spec(cfg.tokenizer) is None:
+        cli.check_path("--tokenizer", cfg.tokenizer)
     out_dir = Path(cfg.output_dir).expanduser().resolve()
     existing_output(out_dir)
     probe = nearest_existing(out_dir)
@@ -558,9 +572,12 @@ def main(argv: list[str] | None = None) -> int:
         probe = nearest_existing(out_dir)
         where = e.filename or f"a file under {own_dirs(out_dir)[1]}"
         why = e.strerror or f"{e}, a short write: a full disk or a file size limit"
+        if e.errno == errno.ENAMETOOLONG:  # not a full disk: freeing space would not help
+            cli.print_error(f"writing {cli.shown(where)} failed: {why}; choose a shorter --output_dir")
+            return 3
         cli.print_error(
-            f"writing {where} failed: {why} ({shutil.disk_usage(probe).free / 2**30:.1f} GiB free on {probe}); free "
-            f"space, raise the limit or choose a writable --output_dir, then run the same command again"
+            f"writing {cli.shown(where)} failed: {why} ({shutil.disk_usage(probe).free / 2**30:.1f} GiB free on "
+            f"{probe}); free space, raise the limit or choose a writable --output_dir, then run the same command again"
         )
         return 3
     except KeyboardInterrupt:

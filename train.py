@@ -237,6 +237,7 @@ class Run:
             "data_dir": data_dir,
             "total_steps": self.total_steps,
             "config": {**dataclasses.asdict(self.cfg), "data_dir": data_dir},
+            **({"branch": self.resume.branch} if self.resume and self.resume.branch else {}),  # explicit_resume's
         }
 
 
@@ -283,10 +284,12 @@ def check(cfg: Config, given: set[str], accelerator) -> Run:
         raise UserError("--decay_start_step is set by --decay_branch (the checkpoint's step), not by hand: drop it")
     if cfg.push_to_hub:
         card.check_push(cfg.push_to_hub)
+    checkpoint.check_paths(cfg, token_data.data_dirs(cfg.data_dir))  # OUT's deepest file included, before any is read
     resilience.lock_run_dir(accelerator, Path(cfg.output_dir))  # before anything in OUT is read (a new OUT: in setup)
     checkpoint.check_output_dir(cfg.output_dir, cfg.resume)
-    found = checkpoint.find_resume_checkpoint(cfg.resume, Path(cfg.output_dir) / "checkpoints", accelerator)
-    resume = checkpoint.Resume(found, checkpoint.read_trainer_state(found)) if found else None
+    # A decay branch's first launch refuses an OUT with checkpoints itself (schedule.branch_settings).
+    resume = checkpoint.find_resume_checkpoint(cfg.resume, Path(cfg.output_dir) / "checkpoints", accelerator,
+                                               own_work=not cfg.decay_branch)  # fmt: skip
     if resume is not None:
         cfg, resume = checkpoint.resume_settings(cfg, given, resume, accelerator.print)
         check_flags(cfg)
@@ -425,7 +428,7 @@ def setup(cfg: Config, given: set[str]) -> tuple[Run, Parts]:
     resilience.lock_run_dir(accelerator, out)
     finaliser = checkpoint.first_process_on_disk(accelerator, ckpt_root)
     if finaliser:
-        if removed := checkpoint.remove_leftovers(ckpt_root, finished=False):
+        if removed := checkpoint.remove_leftovers(ckpt_root):
             print(f"removed what earlier runs left unfinished in {ckpt_root}: {', '.join(removed)}")
     accelerator.wait_for_everyone()
     mem_before_model_gib = metrics.peak_memory_gib(accelerator.device)  # the baseline the plan's estimate adds to
@@ -474,7 +477,9 @@ def train(cfg: Config, given: set[str]) -> int:
             for s in run.data.sources
             if token_data.num_windows(len(s.val_tokens), cfg.seq_len)
         }
-        log(*metrics.validation_record(run, step, losses))
+        record, console = metrics.validation_record(run, step, losses)
+        log(record, console)
+        resilience.check_validation(record, step)  # the same on every process: the losses are reduced over all
 
     stop_signals = resilience.StopSignals(out, rank)  # preemption, Ctrl-C, a closed terminal: finish the step, save
     step = run.resume.state["step"] if run.resume is not None else 0
@@ -544,7 +549,7 @@ def train(cfg: Config, given: set[str]) -> int:
             saved = checkpoint.save_checkpoint(
                 accelerator,
                 checkpoint.Save(ckpt_root, step, run.state_at(step, skips.total), run.model_config, cfg.keep_last),
-                run.resume.path if run.resume else None,
+                run.resume.kept if run.resume else (),
                 parts.finaliser,
             )
             accelerator.print(f"saved {saved}")
@@ -592,7 +597,8 @@ def main(argv: list[str] | None = None) -> int:
         cli.print_error(str(e), wait=getattr(e, "follows_another", False))
         return 3
     except OSError as e:  # a full disk, a file size limit, a vanished mount while writing metrics or final/
-        cli.print_error(f"{e.filename}: {e.strerror or e}; complete checkpoints are intact: fix it, then --resume auto")
+        cli.print_error(f"{cli.shown(e.filename)}: {e.strerror or e}; complete checkpoints are intact: "
+                        f"{checkpoint.fix_for(e)}, then --resume auto")  # fmt: skip
         return 3
 
 

@@ -4,6 +4,9 @@
   Config of a command line (an unknown flag is one `error:` line).
 - UserError: a mistake of the user's (a flag, a file, a directory). The message is one line that names the value,
   the constraint and the fix; main() prints it as `error: ...` and exits 2, before anything is half-written.
+- check_path / shown / one_line: a path flag's value that no file can have (a name past the filesystem's limit,
+  bytes that are not UTF-8), or an output path whose deepest file would be past it, refused at the start; a path, and
+  any message, in one line.
 - write_atomic / write_json_atomic / replace_dir / remove: a reader, or a crash, sees the old file or directory or
   the whole new one, never a part; remove deletes a symlink, never what it points to.
 - quiet_console / without_noise / progress_bar: third-party start-up lines that carry no information are dropped,
@@ -32,6 +35,63 @@ from pathlib import Path
 
 class UserError(Exception):
     """A user mistake; the message is one line naming the value, the constraint and the fix."""
+
+
+def one_line(text: str) -> str:
+    """text with its control characters (a newline, a terminal's escape: valid bytes of a file name) and the bytes of a
+    name that are not UTF-8 (surrogates) escaped as Python writes them: one line, as it reads."""
+    return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in text)
+
+
+def shown(path) -> str:
+    """A path as one line of a message (one_line), a very long one cut in the middle, with its length."""
+    text = one_line(str(path))
+    return text if len(text) <= 160 else f"{text[:70]}...{text[-70:]} ({len(text):,} characters)"
+
+
+def check_path(flag: str, value, below_bytes: int | None = None, beside: str = "{}") -> None:
+    """Refuse a path flag's value, before anything is read or written, where the filesystem or the libraries cannot
+    take it: bytes that are not UTF-8 (the tokenizers and safetensors libraries open UTF-8 paths only), a name past the
+    filesystem's NAME_MAX bytes, or a path past its PATH_MAX. An input (below_bytes None) with such a name cannot
+    exist; an output is checked with what the script writes there: files up to below_bytes deeper, and `beside`, the
+    name it also gives the path's last part (prepare_data.py's work directory .NAME.partial: ".{}.partial"). Without
+    this, Python's own checks raise OSError ("File name too long") on such a path, or the first save fails, days in."""
+    text = os.fspath(value)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UserError(f"{flag} {shown(text)} is not valid UTF-8 (the tokenizers and safetensors libraries open UTF-8 "
+                        f"paths only); rename it in UTF-8") from None  # fmt: skip
+    path = os.path.abspath(os.path.expanduser(text))
+    existing = path
+    while not os.path.exists(existing):  # os.path.exists, unlike Path.exists, says False for a name too long
+        existing = os.path.dirname(existing)
+    name_max, path_max = _pathconf(existing, "PC_NAME_MAX", 255), _pathconf(existing, "PC_PATH_MAX", 4096)
+    script = Path(sys.argv[0]).name if sys.argv[0].endswith(".py") else "the script"
+    parts = path.split(os.sep)
+    for name in parts:
+        if len(os.fsencode(name)) > name_max:
+            what = "no file can have that name" if below_bytes is None else "choose a shorter name"
+            raise UserError(f"{flag} {shown(text)}: a name of {len(os.fsencode(name))} bytes, over the {name_max} "
+                            f"bytes a name may have on that filesystem; {what}")  # fmt: skip
+    extra = len(os.fsencode(beside.format(parts[-1]))) - len(os.fsencode(parts[-1]))
+    if below_bytes is not None and len(os.fsencode(parts[-1])) + extra > name_max:
+        raise UserError(f"{flag} {shown(text)}: {script} also writes {beside.format('NAME')} beside it, a name of "
+                        f"{len(os.fsencode(parts[-1])) + extra} bytes, over the {name_max} bytes a name may have on "
+                        f"that filesystem; choose a name of at most {name_max - extra} bytes")  # fmt: skip
+    deepest = len(os.fsencode(path)) + (below_bytes or 0)
+    if deepest >= path_max:  # PATH_MAX counts the terminating NUL
+        below = f", and {script} writes files up to {below_bytes} bytes below it" if below_bytes else ""
+        what = "no file can have that path" if below_bytes is None else "choose a shorter path"
+        raise UserError(f"{flag} {shown(text)} is {len(os.fsencode(path)):,} bytes long{below}: over the "
+                        f"{path_max - 1:,} bytes a path may have on that filesystem; {what}")  # fmt: skip
+
+
+def _pathconf(path: str, name: str, default: int) -> int:
+    try:
+        return os.pathconf(path, name)
+    except (OSError, ValueError):  # a filesystem that does not say
+        return default
 
 
 def field(default, doc: str):
@@ -271,7 +331,7 @@ def print_error(message: str, rank: int | None = None, wait: bool = False) -> No
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # train.py's stop handler must not outlive the launcher's kill
         time.sleep(5)
         message = f"(rank {rank}) {message}"
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    print(f"error: {one_line(message)}", file=sys.stderr, flush=True)
 
 
 def console_to_file(path: Path) -> None:

@@ -1,7 +1,7 @@
 """How this run was launched: the Accelerator and its process group (joined again after a restart), and the one
 record of a launch (processes, machines, precision, accumulation, offload, ZeRO stage) that both a live run
 (`live_launch`) and a plan on paper (`read_launch`, from an accelerate YAML) read through `launch_record`, so both see
-the same values.
+the same values; before any of it, the build locks that killed launches left in torch's extension directory.
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -139,6 +141,106 @@ def join_restarted_process_group() -> None:
     )
 
 
+# DeepSpeed JIT-builds its ops with torch.utils.cpp_extension (on CPUs: deepspeed_shm_comm as the process group
+# starts, cpu_adam for an offloaded optimizer), each under a lock file in its build directory that torch's FileBaton
+# creates and removes when done; a launch killed meanwhile (Ctrl-C, a scheduler's limit, the OOM killer) leaves it, and
+# every later build of that op on the machine polls for it to vanish, forever, printing nothing.
+# A build writes into its directory at least every minute or so (deepspeed_shm_comm's here: build.ninja, 45 s later
+# its objects, then the library, 46 s in all); a lock whose directory went this long without a write is no build's.
+BUILD_LOCK_STALE_S = 120.0
+
+
+def extension_build_locks() -> list[Path]:
+    """The lock files in the build directories of torch's JIT extensions, where torch.utils.cpp_extension puts them:
+    $TORCH_EXTENSIONS_DIR/NAME/lock, else <torch's default root>/py<version>_<accelerator>/NAME/lock."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        from torch.utils.cpp_extension import get_default_build_root
+
+        version = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        if torch.version.hip is not None:
+            device = f"rocm{torch.version.hip.replace('.', '')}"
+        else:
+            device = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda is not None else "cpu"
+        root = os.path.join(get_default_build_root(), f"{version}_{device}")
+    try:
+        return sorted(p for p in Path(root).glob("*/lock") if p.is_file())
+    except OSError:
+        return []
+
+
+def build_running_here(build_dir: Path) -> bool:
+    """Whether a process of this machine works in build_dir (ninja and the compiler run there). False where /proc
+    cannot tell (not Linux): the lock's age and the directory's activity decide alone."""
+    target = str(build_dir.resolve())
+    for cwd in Path("/proc").glob("[0-9]*/cwd"):
+        try:
+            where = os.readlink(cwd)
+        except OSError:  # gone, or another user's
+            continue
+        if where == target or where.startswith(target + os.sep):
+            return True
+    return False
+
+
+def last_activity_s(lock: Path) -> float:
+    """Seconds since anything in the lock's build directory was written (the lock's creation included)."""
+    try:
+        latest = max(p.stat().st_mtime for p in lock.parent.iterdir() if p.is_file())
+    except (OSError, ValueError):
+        return 0.0
+    return time.time() - latest
+
+
+def remove_stale_lock(lock: Path, seen: os.stat_result) -> bool:
+    """Remove `lock` if it is still the file `seen` (another process of this launch may have removed it and a build
+    taken a new one meanwhile: that one is put back). Returns whether this call removed it."""
+    grave = lock.with_name(f"{lock.name}.stale-{os.getpid()}")
+    try:
+        os.rename(lock, grave)
+    except FileNotFoundError:
+        return False
+    now = os.stat(grave)
+    if (now.st_ino, now.st_mtime_ns) != (seen.st_ino, seen.st_mtime_ns):
+        try:
+            os.link(grave, lock)
+        except FileExistsError:
+            pass
+        os.unlink(grave)
+        return False
+    os.unlink(grave)
+    return True
+
+
+def clear_stale_build_locks(stale_s: float = BUILD_LOCK_STALE_S, poll_s: float = 2.0) -> None:
+    """Before DeepSpeed builds anything: a build lock that no build holds is removed, with a line saying so. A lock
+    with a build of its op running on this machine is left to torch (the build ends); one without, in a directory
+    written within stale_s (a build on another machine sharing it, or a kill a moment ago), is waited for, said once,
+    until it goes or stale_s pass without a write; then it is removed. Every process of a launch may do this at once."""
+    for lock in extension_build_locks():
+        said, start = False, time.monotonic()
+        while True:
+            try:
+                seen = os.stat(lock)
+            except FileNotFoundError:
+                break
+            if build_running_here(lock.parent):
+                break
+            idle_s = last_activity_s(lock)  # the lock's own creation counts
+            if idle_s >= stale_s:
+                if remove_stale_lock(lock, seen):
+                    print(f"removed {lock}: a build lock of torch's that no build holds ({idle_s:.0f} s without a "
+                          f"write in its directory, no build of {lock.parent.name} running here), left by a launch "
+                          "killed while it built; the next build takes a lock of its own", flush=True)  # fmt: skip
+                break
+            if not said and time.monotonic() - start > 5 * poll_s:  # not a sibling process's build about to start
+                said = True
+                print(f"waiting for {lock}, torch's build lock of {lock.parent.name}: no build of it runs on this "
+                      f"machine, so it is a killed build's or another machine's; it is removed after {stale_s:.0f} s "
+                      f"without a write in its directory", flush=True)  # fmt: skip
+            time.sleep(poll_s)
+
+
 def start_accelerator(project_dir: str):
     """The Accelerator of this process, refusing a launch whose processes would not synchronise. Its trackers are set
     by run_dir.trackers.start, once a resumed run's own --log_with is known."""
@@ -149,6 +251,7 @@ def start_accelerator(project_dir: str):
     # A plain `python train.py` has no process group to create; LOCAL_RANK is how Accelerate itself tells.
     launched = "LOCAL_RANK" in os.environ
     kwargs = [InitProcessGroupKwargs(backend="gloo")] if launched and not torch.cuda.is_available() else []
+    clear_stale_build_locks()  # DeepSpeed builds its communication op as the process group starts
     join_restarted_process_group()
     with cli.without_noise():
         accelerator = Accelerator(project_dir=project_dir, kwargs_handlers=kwargs)

@@ -418,3 +418,20 @@ def test_a_bad_tokenizer_is_named_as_the_tokenizer(where, bare_model, tmp_path, 
     assert ev.main(args) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: --tokenizer {tokenizer}") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("flag", ["--model", "--output_json"])
+def test_a_name_past_the_filesystems_limit_is_one_line(flag, bare_model, tmp_path, capsys):
+    """A --model or --output_json with a name of 300 bytes (over NAME_MAX): one line before the work, not the
+    OSError traceback of Python's own existence checks (issue #59, the class "a file's name is whatever bytes the
+    filesystem allows")."""
+    (tmp_path / "ok.txt").write_text("Some text.\n\nMore text.\n")
+    long_name = str(tmp_path / ("n" * 300))
+    paths = {"--model": str(bare_model), "--output_json": str(tmp_path / "report.json")}
+    paths[flag] = long_name
+    code = ev.main(["--model", paths["--model"], "--dataset", str(tmp_path / "ok.txt"), "--output_json",
+                    paths["--output_json"]])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"error: {flag} {tmp_path}") and err.count("\n") == 1, err
+    assert "a name of 300 bytes, over the 255 bytes a name may have" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.txt"]

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -509,3 +510,29 @@ def test_a_read_only_output_directory_is_refused_before_any_input_is_read(tmp_pa
     assert status == 2, stderr
     assert stderr.strip() == f"error: --output_dir {ro / 'data'}: cannot write in {ro} (Read-only file system); " \
                              "choose a writable one"  # fmt: skip
+
+
+def test_an_output_name_its_work_directory_cannot_have_is_refused_before_any_input_is_read(tmp_path, capsys):
+    """Issue #59, case 3: a 250-byte --output_dir name fits the filesystem, but its work directory .NAME.partial (259
+    bytes) does not: refused in one line naming the limit, nothing written (it used to fail on .NAME.partial, advising
+    to free space)."""
+    (tmp_path / "in.txt").write_text("Some text.\n\nMore text.\n")
+    status, _, stderr = prepare(["--dataset", tmp_path / "in.txt", "--output_dir", tmp_path / ("o" * 250)], capsys)
+    assert status == 2 and stderr.count("\n") == 1, stderr
+    assert "also writes .NAME.partial beside it, a name of 259 bytes, over the 255 bytes" in stderr, stderr
+    assert "choose a name of at most 246 bytes" in stderr and "free space" not in stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt"]
+
+
+def test_a_corpus_file_whose_name_is_not_utf8_is_named(tmp_path, capsys):
+    """A file whose name is not UTF-8 inside a --dataset directory (a source is named after its file, and meta.json and
+    the tokenizer take UTF-8 only): one line naming it, escaped, before anything is written (it used to end in a
+    UnicodeEncodeError traceback while the inputs were hashed)."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "fine.txt").write_text("Some text.\n\nMore text.\n")
+    (Path(os.fsdecode(bytes(corpus) + b"/caf\xe9.txt"))).write_text("Latin-1 named.\n")
+    status, _, stderr = prepare(["--dataset", corpus, "--output_dir", tmp_path / "out"], capsys)
+    assert status == 2 and stderr.count("\n") == 1, stderr
+    assert rf"the name of {corpus}/caf\udce9.txt is not valid UTF-8" in stderr, stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]

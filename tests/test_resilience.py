@@ -2,9 +2,13 @@
 in a row stop the run with the last checkpoint intact. Real NaNs (TRAIN_TEST_FAULT), real `accelerate launch` of
 ZeRO-3 CPU processes."""
 
+import os
 import re
+import shutil
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -172,3 +176,73 @@ def test_automatic_step_limit_comes_from_the_warm_steps(tmp_path, monkeypatch):
         fast.beat(step)
     assert fast.limit == 300  # the floor
     dog.stop(), fast.stop()
+
+
+def plant_build_lock(ext: Path, idle_s: float) -> Path:
+    """A lock in the build directory of DeepSpeed's CPU communication op in the extensions directory `ext`, as a launch
+    killed while building it leaves it, nothing in the directory written for idle_s. The op's files are copied from
+    torch's own extension cache where it was built already (saving the build, about a minute); else it builds."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    build = ext / "deepspeed_shm_comm"
+    cached = Path(get_default_build_root()) / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / build.name
+    if (cached / f"{build.name}.so").is_file():
+        shutil.copytree(cached, build, ignore=shutil.ignore_patterns("lock*"))
+    build.mkdir(parents=True, exist_ok=True)
+    lock = build / "lock"
+    lock.touch()
+    for p in build.iterdir():
+        os.utime(p, (time.time() - idle_s,) * 2)
+    return lock
+
+
+def test_a_build_lock_a_killed_launch_left_is_removed_and_the_launch_goes_on(docs_data, tmp_path):
+    """Issue #59, case 13: a launch killed while DeepSpeed built deepspeed_shm_comm left torch's build lock (an hour
+    ago); the next launch (a private TORCH_EXTENSIONS_DIR) removes it, says so, and trains (it used to wait forever
+    before its first step, printing nothing: seen here for 4 minutes)."""
+    lock = plant_build_lock(tmp_path / "torch_extensions", idle_s=3600)
+    out = tmp_path / "out"
+    cmd = launch_cmd(1, *TINY, "--max_steps", "2", "--micro_batch_size", "2", "--data_dir", docs_data, "--output_dir",
+                     out)  # fmt: skip
+    proc = run(cmd, env={"TORCH_EXTENSIONS_DIR": str(lock.parent.parent)}, timeout=300)
+    assert_processes(proc, 1)
+    assert f"removed {lock}: a build lock of torch's that no build holds" in proc.stdout, proc.stdout[-3000:]
+    assert not lock.exists() and (out / "final" / "model.safetensors").is_file()
+
+
+def test_a_build_lock_is_left_to_a_running_build_and_waited_out_when_young(tmp_path, monkeypatch, capsys):
+    """The lock of a build running on this machine (a process working in its directory, as ninja and the compiler do)
+    stays, however old; a young lock without one (a kill a moment ago, or another machine's build) is waited for,
+    said once, and removed once its directory went stale_s without a write."""
+    from deepseek_zero3 import distributed
+
+    ext = tmp_path / "torch_extensions"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(ext))
+    lock = plant_build_lock(ext, idle_s=3600)
+    building = subprocess.Popen(["sleep", "60"], cwd=lock.parent)
+    try:
+        distributed.clear_stale_build_locks(stale_s=1, poll_s=0.1)
+    finally:
+        building.kill()
+        building.wait()
+    assert lock.exists() and capsys.readouterr().out == ""
+    os.utime(lock)  # just now
+    t0 = time.monotonic()
+    distributed.clear_stale_build_locks(stale_s=3, poll_s=0.1)
+    said = capsys.readouterr().out.splitlines()
+    assert not lock.exists() and time.monotonic() - t0 >= 2.5
+    assert len(said) == 2 and said[0].startswith(f"waiting for {lock}, torch's build lock of deepspeed_shm_comm"), said
+    assert said[1].startswith(f"removed {lock}: a build lock of torch's that no build holds"), said
+
+
+def test_a_startup_that_waits_on_a_build_lock_names_it(tmp_path):
+    """The watchdog's startup limit ends a startup that waits on a lock anyway (a build lock taken after the start's
+    check, by a process killed since): its line names the lock and the fix. The wait is a sleep here, the limit 10 s."""
+    ext = tmp_path / "torch_extensions"
+    (ext / "cpu_adam").mkdir(parents=True)
+    (ext / "cpu_adam" / "lock").touch()
+    code = (f"import time; from deepseek_zero3.run_dir import resilience; resilience.Watchdog({str(tmp_path)!r}, 1); "
+            "time.sleep(60)")  # fmt: skip
+    proc = run([sys.executable, "-c", code], check=False, env={"TORCH_EXTENSIONS_DIR": str(ext)}, timeout=120)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert f"torch's build lock {ext / 'cpu_adam' / 'lock'} exists" in proc.stderr, proc.stderr[-2000:]

@@ -415,16 +415,171 @@ def test_a_failed_metrics_write_names_the_file(done_run, tmp_path):
     assert not list(out.glob(".*.tmp")) and tree(out / "checkpoints") == before
 
 
-@pytest.mark.parametrize("where", ["in its checkpoints", "outside the run"])
-def test_explicit_resume_from_a_copy_under_another_name(done_run, tmp_path, where):
-    """A user's copy of step_2 resumed by hand, under another name in the run's checkpoints/ or outside the run: its
-    trainer_state.json says which step it is, and the run's checkpoints after it move aside as for any explicit resume
-    (from outside they used to stay, and a --resume auto after a crash followed the old branch)."""
+def test_going_back_sets_the_newer_checkpoints_aside_and_a_requeue_continues(done_run, tmp_path):
+    """Going back by hand to an older checkpoint of the run (here a user's copy of step_2 under another name in its
+    checkpoints/: its trainer_state.json says which step it is) moves the checkpoints after it aside, with the
+    history they belong to, and keeps them after the run finishes (they used to be deleted then). The same command
+    again after a stop (a requeued job) continues the new branch from its newest checkpoint instead of going back
+    again (it used to set that aside too, and the steps since)."""
     out = copy_run(done_run, tmp_path, keep_step_4=True)
     ckpts = out / "checkpoints"
-    copy = ckpts / "step_2.bak" if where == "in its checkpoints" else tmp_path / "elsewhere" / "step_2"
+    copy = ckpts / "step_2.bak"
     shutil.copytree(ckpts / "step_2", copy)
-    proc = train("--output_dir", out, "--resume", copy)
-    assert f"moved the checkpoints after {copy.name} (step_4)" in proc.stdout, proc.stdout
-    assert f"resumed from {copy} at step 2" in proc.stdout
-    assert sorted(p.name for p in ckpts.iterdir() if not p.name.startswith("step_2.")) == ["latest", "step_2", "step_4"]
+    command = ["--output_dir", out, "--resume", copy, "--save_every", "1"]
+    proc = train(*command, env={"TRAIN_TEST_FAULT": "sigterm_in_save:0:3"})
+    moved = re.search(rf"moved the checkpoints after {copy.name} \(step_4\) to (\S+) .*kept until", proc.stdout)
+    assert moved and "stopped by signal after step 3" in proc.stdout, proc.stdout
+    aside = Path(moved.group(1))
+    proc = train(*command)
+    assert f"{ckpts / 'step_3'} continues the branch from {copy}" in proc.stdout, proc.stdout
+    assert f"resumed from {ckpts / 'step_3'} at step 3" in proc.stdout
+    assert f"kept in {ckpts}: {aside.name}, the checkpoints explicit" in proc.stdout
+    assert [p.name for p in ckpts.glob("abandoned-*")] == [aside.name]
+    assert sorted(p.name for p in aside.iterdir()) == ["metrics.jsonl", "step_4"]
+    assert max(r["step"] for r in metrics_records(aside / "metrics.jsonl")) == 4  # the branch's history, to its end
+    a, b = train_records(done_run), train_records(out)
+    assert sorted(b) == [1, 2, 3, 4]
+    for step in (3, 4):
+        assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-6)
+
+
+def metrics_records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_a_requeued_branch_continues_and_a_branch_never_takes_over_another_run(done_run, tmp_path):
+    """Issue #59, case 1: B started from A's step_2 (`--resume A/checkpoints/step_2 --output_dir B`), stopped after
+    step 3, then the same command again, as a requeued job script runs it: B continues from its own step_3 (it used to
+    set B's newer checkpoints aside, cut its metrics back to step 2 and delete them at the end), and its losses are
+    A's. Then B's checkpoint resumed into a directory that holds a run of its own (A's copy: step_4 and final/) is
+    refused, nothing touched (A's newer checkpoints used to move aside: the original became the branch)."""
+    a_before = tree(done_run)
+    b = tmp_path / "B"
+    command = ["--resume", done_run / "checkpoints" / "step_2", "--output_dir", b, "--save_every", "1"]
+    proc = train(*command, env={"TRAIN_TEST_FAULT": "sigterm_in_save:0:3"})
+    assert "stopped by signal after step 3" in proc.stdout, proc.stdout
+    proc = train(*command)
+    assert f"{b / 'checkpoints' / 'step_3'} continues the branch from" in proc.stdout, proc.stdout
+    assert "resumed from step_3 (step 3); 0 step(s) logged after it were lost" in proc.stdout
+    assert not list((b / "checkpoints").glob("abandoned-*"))
+    a, records = train_records(done_run), train_records(b)
+    assert sorted(records) == [3, 4]
+    for step in (3, 4):
+        assert records[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-6)
+    assert tree(done_run) == a_before
+
+    original = copy_run(done_run, tmp_path, keep_step_4=True)
+    before = tree(original)
+    proc = train("--resume", b / "checkpoints" / "step_3", "--output_dir", original, check=False)
+    assert_refused(proc, 2, f"--output_dir {original} holds checkpoints of its own (newest step_4)", "--resume auto")
+    assert tree(original) == before
+
+
+def test_explicit_resume_of_a_copy_outside_the_run_is_refused(done_run, tmp_path):
+    """A user's copy of the run's step_2 kept outside it: resuming it into the run, which holds newer checkpoints of
+    another line (step_4), is refused; resuming the run's own checkpoint (above) is how to go back."""
+    out = copy_run(done_run, tmp_path, keep_step_4=True)
+    copy = tmp_path / "elsewhere" / "step_2"
+    shutil.copytree(out / "checkpoints" / "step_2", copy)
+    before = tree(out)
+    proc = train("--output_dir", out, "--resume", copy, check=False)
+    assert_refused(proc, 2, f"--resume {copy}: --output_dir {out} holds checkpoints of its own (newest step_4)")
+    assert tree(out) == before
+
+
+def test_a_branch_set_aside_never_joins_an_older_one(tmp_path, monkeypatch):
+    """Issue #59, case 12: after the wall clock stepped back, the name of a new abandoned-<time> folder is that of an
+    older branch's; the new branch goes to a folder of its own (it used to be moved into the old one: "Directory not
+    empty", or two branches mixed). The clock is the test's."""
+    from deepseek_zero3.run_dir import checkpoint
+
+    ckpts = tmp_path / "out" / "checkpoints"
+    for step in (2, 4, 6):
+        (ckpts / f"step_{step}").mkdir(parents=True)
+        (ckpts / f"step_{step}" / "weights").write_text(f"new branch, step {step}\n")
+    older = ckpts / "abandoned-20260101-120000"
+    (older / "step_4").mkdir(parents=True)
+    (older / "step_4" / "weights").write_text("older branch\n")
+    (tmp_path / "out" / "metrics.jsonl").write_text('{"step": 6, "loss": 1.0}\n')
+    monkeypatch.setattr(checkpoint.time, "strftime", lambda fmt, *a: fmt.replace("%Y%m%d-%H%M%S", "20260101-120000"))
+    said = checkpoint.set_aside_newer(ckpts, ckpts / "step_2", 2)
+    new = ckpts / "abandoned-20260101-120000-2"
+    assert f"(step_4, step_6) to {new} " in said, said
+    assert sorted(p.name for p in older.iterdir()) == ["step_4"] and (older / "step_4" / "weights").read_text() == (
+        "older branch\n"
+    )
+    assert sorted(p.name for p in new.iterdir()) == ["metrics.jsonl", "step_4", "step_6"]
+    assert (new / "step_4" / "weights").read_text() == "new branch, step 4\n"
+    assert checkpoint.set_aside(ckpts) == [older, new]
+    assert (ckpts / "latest").read_text() == "step_2\n"
+
+
+def test_a_validation_loss_past_a_float_perplexity_stops_the_run_as_diverged(done_run, tmp_path):
+    """Issue #59, case 2: a run resumed at step 2 with an LR that blows the model up (--lr 1000, no clipping): the
+    validation after step 3 gives a loss whose perplexity is past the largest float. The run stops as diverged (exit
+    3, one line), the validation on record (its perplexity null), step_2 intact and still the newest (it used to end
+    in an OverflowError traceback, exit 1, which every restart replayed)."""
+    out = copy_run(done_run, tmp_path)
+    step_2 = tree(out / "checkpoints" / "step_2")
+    proc = train("--output_dir", out, "--resume", "auto", "--lr", "1000", "--max_grad_norm", "0", "--eval_every", "1",
+                 check=False)  # fmt: skip
+    line = assert_refused(proc, 3, "step 3: the validation loss is", "the run diverged", "--resume auto with a lower")
+    val = [r for r in metrics_records(out / "metrics.jsonl") if "val_loss" in r][-1]
+    assert val["step"] == 3 and val["val_loss"] > 709.8 and val["val_ppl"] is None, (val, line)
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_2"
+    assert not (out / "checkpoints" / "step_3").exists()
+    assert tree(out / "checkpoints" / "step_2") == step_2
+
+
+def deep_path(root: Path, n_bytes: int) -> Path:
+    """A path of n_bytes under root, in names of 200 bytes (each allowed; the whole near PATH_MAX)."""
+    path = str(root / "deep")
+    while len(path) < n_bytes - 201:
+        path += "/" + "d" * 200
+    return Path(path + "/" + "e" * (n_bytes - len(path) - 1))
+
+
+def unusable_paths(docs_data: Path, tmp_path: Path) -> dict:
+    """Paths train.py cannot use, each with what its one line says. Before the checks: the long --output_dir trained
+    until its first save and then advised freeing space; a name over 255 bytes failed in Python's own checks (exit 3,
+    "complete checkpoints are intact ... --resume auto"); data behind a name that is not UTF-8 was "a tokenizer no
+    one can read, rebuild the data"; a newline in a name broke the one error line in two."""
+    not_utf8 = Path(os.fsdecode(bytes(tmp_path) + b"/data-\xff"))
+    not_utf8.symlink_to(docs_data)
+    newline = tmp_path / "a\nfile"
+    newline.write_text("mine\n")
+    return {
+        "output_dir past PATH_MAX": (["--output_dir", deep_path(tmp_path, 4055)],
+                                     ["is 4,055 bytes long, and train.py writes files up to 256 bytes below it",
+                                      "bytes a path may have on that filesystem; choose a shorter path"]),
+        "output_dir name past NAME_MAX": (["--output_dir", tmp_path / ("o" * 300)],
+                                          ["a name of 300 bytes, over the 255 bytes a name may have"]),
+        "resume name past NAME_MAX": (["--output_dir", tmp_path / "out", "--resume", tmp_path / ("c" * 256)],
+                                      ["--resume", "a name of 256 bytes", "no file can have that name"]),
+        "data_dir not UTF-8": (["--data_dir", not_utf8, "--output_dir", tmp_path / "out"],
+                               [r"data-\udcff is not valid UTF-8", "rename it in UTF-8"]),
+        "a newline in the name": (["--output_dir", newline], [r"a\nfile is a file, not a directory"]),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ["output_dir past PATH_MAX", "output_dir name past NAME_MAX",
+                                  "resume name past NAME_MAX", "data_dir not UTF-8", "a newline in the name"])  # fmt: skip
+def test_paths_the_filesystem_cannot_take_are_refused_before_anything_is_written(docs_data, tmp_path, case):
+    """Issue #59, case 3, and the class "a file's name is whatever bytes the filesystem allows"."""
+    args, needles = unusable_paths(docs_data, tmp_path)[case]
+    before = os.listdir(tmp_path)
+    proc = train(*RUN, "--data_dir", docs_data, *args, check=False)
+    assert_refused(proc, 2, *needles)
+    assert os.listdir(tmp_path) == before
+
+
+def test_a_write_refused_for_a_long_name_does_not_advise_freeing_space(tmp_path):
+    """A checkpoint write the filesystem refuses for a name too long (a real ENAMETOOLONG) names the fix for that, not
+    "free space" (which, with --resume auto, used to fail the same way)."""
+    from deepseek_zero3.run_dir import checkpoint
+
+    with pytest.raises(OSError) as refused:
+        (tmp_path / ("x" * 300)).write_text("")
+    line = str(checkpoint.write_failure(tmp_path / ".tmp-step_2", refused.value, tmp_path / "step_1"))
+    assert "File name too long" in line and "free space" not in line, line
+    assert "move the run directory to a shorter path and give that as --output_dir" in line, line

@@ -189,12 +189,13 @@ def test_sigkill_while_saving_keeps_previous_checkpoint(ref, docs_data, tmp_path
     assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_10", "step_2", "step_8"]
     assert not list(ckpts.glob(".tmp-*"))
     # An explicit resume from the older step_2 abandons step_8 and step_10: they move aside, pruning keeps the new
-    # branch, --resume auto would follow it, and the finished run removes the abandoned branch, saying so.
+    # branch, --resume auto would follow it, and the finished run keeps the abandoned branch for the user to delete,
+    # saying so (it used to delete it: issue #59).
     proc = launch(3, "--output_dir", out, "--resume", ckpts / "step_2", "--save_every", "4")
     moved = re.search(r"moved the checkpoints after step_2 \(step_8, step_10\) to .*/(abandoned-[\d-]+)", proc.stdout)
     assert moved, proc.stdout
-    assert re.search(rf"no longer needed by the finished run: {moved.group(1)}$", proc.stdout, re.M), proc.stdout
-    assert not list(ckpts.glob("abandoned-*"))
+    assert f"kept in {ckpts}: {moved.group(1)}, the checkpoints explicit --resume commands set aside" in proc.stdout
+    assert sorted(p.name for p in (ckpts / moved.group(1)).iterdir()) == ["metrics.jsonl", "step_10", "step_8"]
     assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_10", "step_2", "step_8"]
     assert (ckpts / "latest").read_text().strip() == "step_10"
     assert_same_weights(ref[0], out)

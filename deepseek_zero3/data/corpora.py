@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path, PurePosixPath
 
 from deepseek_zero3.data import documents
-from deepseek_zero3.cli import UserError
+from deepseek_zero3.cli import UserError, shown
 from deepseek_zero3.data.documents import DATA_SUFFIXES, TEXT_SUFFIXES, SourceStats
 
 VALIDATION_FRACTION = 0.02  # prepare_data.py's default share of held-out documents
@@ -319,7 +319,20 @@ def resolve_local_files(spec: str, exclude: Iterable[Path] = ()) -> tuple[dict[s
 
 
 def local_files(spec: str, exclude: Iterable[Path] = ()) -> tuple[dict[str, list[Path]], str, list[Path]]:
-    """resolve_local_files, and the directories whose files it left out."""
+    """resolve_local_files, and the directories whose files it left out. A file whose name is not UTF-8 is refused:
+    a source is named after its file, and meta.json, the tokenizer and the console take UTF-8 only."""
+    files, layout, skipped = _local_files(spec, exclude)
+    for path in (path for split in files.values() for path in split):
+        try:
+            str(path).encode("utf-8")
+        except UnicodeEncodeError:
+            raise UserError(f"--dataset {shown(spec)}: the name of {shown(path)} is not valid UTF-8 (a source is named "
+                            "after its file, and meta.json and the tokenizer take UTF-8 only); rename it in "
+                            "UTF-8") from None  # fmt: skip
+    return files, layout, skipped
+
+
+def _local_files(spec: str, exclude: Iterable[Path]) -> tuple[dict[str, list[Path]], str, list[Path]]:
     path = Path(spec).expanduser()
     if any(c in spec for c in "*?["):
         found = sorted(Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True) if Path(p).is_file())

@@ -305,9 +305,12 @@ def finish(run, parts) -> int:
     kept = kept_card(out / "final") if again and accelerator.is_main_process else None
     final = checkpoint.export_final(accelerator, parts.model, run.tokenizer, out)
     if parts.finaliser:
-        removed = checkpoint.remove_leftovers(out / "checkpoints", finished=True)
+        removed = checkpoint.remove_leftovers(out / "checkpoints")
         if removed:
             print(f"removed from {out / 'checkpoints'}, no longer needed by the finished run: {', '.join(removed)}")
+        if aside := checkpoint.set_aside(out / "checkpoints"):
+            print(f"kept in {out / 'checkpoints'}: {', '.join(p.name for p in aside)}, the checkpoints explicit "
+                  f"--resume commands set aside; delete them once you no longer need them")  # fmt: skip
     if accelerator.is_main_process:
         metrics.plot_losses(out / "metrics.jsonl", out / "loss_curve.png")
         records = metrics.read_metrics(out / "metrics.jsonl")[0]

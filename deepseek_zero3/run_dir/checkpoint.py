@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from deepseek_zero3.cli import UserError, fault, remove, replace_dir, write_atomic, write_json_atomic
+from deepseek_zero3.cli import UserError, check_path, fault, remove, replace_dir, write_atomic, write_json_atomic
 from deepseek_zero3.model import models, mtp
 
 # Settings that change what a run reports or where it reads and writes, not what it trains: free to change on resume.
@@ -54,6 +54,24 @@ RESOLVED_BY_THE_RUN = {("mtp_depth", -1), ("optimizer", "auto")}
 
 MARKER = "train_run.json"  # written into OUT before anything else: the only directories train.py writes into
 LOCK = ".lock"  # OUT's lock file: not what makes OUT non-empty or a run's
+
+
+# How deep a run writes below OUT, in bytes, with room to spare for longer parameter names and step numbers. The
+# deepest seen: a universal checkpoint's per-parameter files (reshard.py), 114 bytes for deepseek-v3-tiny's
+# checkpoints/step_12.universal/pytorch_model/zero/mtp.0.mtp_block.self_attn.kv_a_proj_with_mqa.weight/exp_avg_sq.pt;
+# DeepSpeed's shards 75 (checkpoints/step_10/pytorch_model/zero_pp_rank_2_mp_rank_00_optim_states.pt), W&B's offline
+# files 66.
+DEPTH_BELOW_OUT = 256
+
+
+def check_paths(cfg, data_dirs: list[str]) -> None:
+    """train.py's path flags, before anything is read or written: what the filesystem or the libraries cannot take is
+    refused in one line (cli.check_path), --output_dir with the deepest file a run writes below it."""
+    check_path("--output_dir", cfg.output_dir, DEPTH_BELOW_OUT)
+    for flag, value in [("--data_dir", d) for d in data_dirs] + [("--resume", cfg.resume), ("--init_from",
+                        cfg.init_from), ("--model_config", cfg.model_config)]:  # fmt: skip
+        if value and value != "auto":
+            check_path(flag, value)
 
 
 def check_output_dir(output_dir: str, resume: str) -> None:
@@ -212,7 +230,7 @@ STEP_N = r"step_(0|[1-9][0-9]*)"  # exactly what save_checkpoint writes: no step
 STEP_DIR = re.compile(STEP_N)
 LEFTOVER = re.compile(rf"\.tmp-{STEP_N}(?:\.universal)?|\.{STEP_N}(?:\.universal)?\.stale|\.rank0-[0-9a-f]{{16}}")
 UNIVERSAL = re.compile(rf"{STEP_N}\.universal")  # reshard.py's copy of step_N, gone with step_N
-ABANDONED = re.compile(r"abandoned-[0-9]{8}-[0-9]{6}")
+ABANDONED = re.compile(r"abandoned-[0-9]{8}-[0-9]{6}(?:-[0-9]+)?")
 
 
 def step_of(path: Path) -> int | None:
@@ -301,24 +319,44 @@ def newest_intact_checkpoint(ckpt_root: Path, say) -> Path | None:
 
 @dataclasses.dataclass(frozen=True)
 class Resume:
-    """The checkpoint a run continues from and its trainer_state.json."""
+    """The checkpoint a run continues from and its trainer_state.json; `branch`, what the checkpoints this run writes
+    record as theirs (trainer_state.json "branch": the checkpoint an explicit --resume started them from, and its
+    step); `named`, the checkpoint an explicit --resume names (pruning keeps it: the same command may come again)."""
 
     path: Path
     state: dict
     changed: dict = dataclasses.field(default_factory=dict)  # config_for_resume's: recorded in metrics.jsonl
+    branch: dict | None = None
+    named: Path | None = None
+
+    @property
+    def branching(self) -> bool:
+        """Whether this run starts a branch at the checkpoint --resume names (OUT's newer checkpoints move aside)."""
+        return self.named is not None and self.path == self.named
+
+    @property
+    def kept(self) -> tuple[Path, ...]:
+        """What pruning never deletes: the checkpoint resumed from, and the one the command names."""
+        return (self.path,) if self.named is None else (self.path, self.named)
 
 
-def find_resume_checkpoint(resume: str, ckpt_root: Path, accelerator) -> Path | None:
+def find_resume_checkpoint(resume: str, ckpt_root: Path, accelerator, own_work: bool = True) -> Resume | None:
     """The checkpoint to resume from, the same on every rank. With node-local disks each machine sees only its own
-    copies, and a kill between two machines' renames leaves them at different steps: all take the oldest."""
+    copies, and a kill between two machines' renames leaves them at different steps: all take the oldest.
+    own_work: an explicit --resume weighs OUT's own checkpoints (explicit_resume); False for a decay branch, whose
+    first launch refuses an OUT holding any (schedule.branch_settings)."""
     for partial in sorted(p for p in ckpt_root.glob(".tmp-step_*") if not UNIVERSAL.fullmatch(p.name[5:])):
         accelerator.print(f"warning: ignoring incomplete checkpoint {partial} (a run died while writing it)")
     if resume not in ("", "auto"):
         if copy := UNIVERSAL.fullmatch(Path(resume).name):  # reshard.py's, for a resume on another world size
             original = Path(resume).parent / f"step_{copy.group(1)}"
             raise UserError(f"--resume {resume}: train.py's universal copy of a checkpoint; --resume {original}")
-        read_trainer_state(Path(resume))  # refuses a damaged checkpoint before anything moves or loads
-        return Path(resume)
+        named = Path(resume)
+        state = read_trainer_state(named)  # refuses a damaged checkpoint before anything moves or loads
+        branch = {"from": str(named.resolve()), "step": state["step"]}
+        if not own_work:
+            return Resume(named, state, branch=branch, named=named)
+        return explicit_resume(named, state, branch, ckpt_root, accelerator)
     if resume != "auto":
         return None
     mine = newest_intact_checkpoint(ckpt_root, accelerator.print)
@@ -354,23 +392,69 @@ def find_resume_checkpoint(resume: str, ckpt_root: Path, accelerator) -> Path | 
             f"--resume auto: {chosen} is not complete on every machine; copy it there or resume from an "
             f"older checkpoint"
         )
-    return chosen
+    state = read_trainer_state(chosen)
+    return Resume(chosen, state, branch=state.get("branch"))
+
+
+def explicit_resume(named: Path, state: dict, branch: dict, ckpt_root: Path, accelerator) -> Resume:
+    """--resume DIR starts a branch at DIR (`branch`, recorded by every checkpoint this run writes), unless OUT
+    (ckpt_root's parent) holds newer work that must not be lost:
+    - OUT's newest checkpoint continues this very branch (an earlier launch of the same command, stopped: a requeued
+      job): the run continues from it, as --resume auto would, and nothing moves;
+    - DIR is one of OUT's own, older than others (going back, e.g. before a loss spike): a branch; the newer ones move
+      to checkpoints/abandoned-*/ once DIR has loaded (set_aside_newer), kept until the user deletes them;
+    - DIR lies outside OUT (another run's checkpoint, or a copy) and OUT holds checkpoints of another line: refused
+      (resuming there would set them aside, or mix two runs in one directory), nothing touched."""
+    own = newest_intact_checkpoint(ckpt_root, lambda _: None)
+    own_state = read_trainer_state(own) if own is not None else {}
+    inside = named.parent.resolve() == ckpt_root.resolve()
+    if own is not None and own_state.get("branch") == branch and own_state["step"] > state["step"]:
+        decision = f"continue {own.name}"
+    elif own is None or inside:
+        decision = "branch"
+    else:
+        decision = f"refuse {own.name}"
+    if accelerator.num_processes > 1:  # node-local disks: every machine must come to the same decision
+        from accelerate.utils import gather_object
+
+        if len(set(gather_object([decision]))) > 1:
+            raise UserError(
+                f"--resume {named}: the machines hold different checkpoints in {ckpt_root}; copy them to every "
+                f"machine, or continue with --resume auto"
+            )
+    out = ckpt_root.parent
+    if decision.startswith("refuse"):
+        raise UserError(
+            f"--resume {named}: --output_dir {out} holds checkpoints of its own (newest {own.name}) that do not "
+            f"continue from it, and resuming it there would set them aside or mix two runs; continue {out} with "
+            f"--resume auto, or start from {named} in a new --output_dir"
+        )
+    if decision.startswith("continue"):
+        again = (f"to go back to {named.name} again, first move the checkpoints after it out of {ckpt_root}" if inside
+                 else f"to start from {named} anew, give a new --output_dir")  # fmt: skip
+        accelerator.print(
+            f"{own} continues the branch from {named} (an earlier launch of this command): resuming from it, as "
+            f"--resume auto would; {again}"
+        )
+        return Resume(own, own_state, branch=branch, named=named)
+    return Resume(named, state, branch=branch, named=named)
 
 
 def set_aside_newer(ckpt_root: Path, resume_from: Path, step: int) -> str | None:
     """An explicit --resume from an older checkpoint starts a new branch: this run's checkpoints after it (ckpt_root:
-    OUT/checkpoints) move to checkpoints/abandoned-<time>/ (kept until the run finishes, out of pruning's and --resume
-    auto's way), wherever resume_from lies, and `latest` names resume_from when it is one of them (at `step`, from its
-    trainer_state.json: a user's copy may have any name), else the newest left. Called only once resume_from has
-    loaded. Returns a line saying what moved where."""
+    OUT/checkpoints) move to a new checkpoints/abandoned-<time>/ (out of pruning's and --resume auto's way, kept until
+    the user deletes it) with a copy of OUT/metrics.jsonl (the branch's history, which the resume cuts back), and
+    `latest` names resume_from when it is one of them (at `step`, from its trainer_state.json: a user's copy may have
+    any name), else the newest left. Called only once resume_from has loaded. Returns a line saying what moved where."""
     if not ckpt_root.is_dir():
         return None
     inside = resume_from.parent.resolve() == ckpt_root.resolve()
     newer = [p for p in step_dirs(ckpt_root) if step_of(p) > step and not (inside and p.name == resume_from.name)]
     if not newer:
         return None
-    aside = ckpt_root / time.strftime("abandoned-%Y%m%d-%H%M%S")
-    aside.mkdir(exist_ok=True)
+    aside = new_dir(ckpt_root, time.strftime("abandoned-%Y%m%d-%H%M%S"))
+    if (ckpt_root.parent / "metrics.jsonl").is_file():
+        shutil.copyfile(ckpt_root.parent / "metrics.jsonl", aside / "metrics.jsonl")
     for p in newer:
         os.replace(p, aside / p.name)
         remove(p.with_name(f"{p.name}.universal"))  # reshard.py's copy: another branch's weights
@@ -380,15 +464,28 @@ def set_aside_newer(ckpt_root: Path, resume_from: Path, step: int) -> str | None
     else:
         (ckpt_root / "latest").unlink(missing_ok=True)
     return (
-        f"moved the checkpoints after {resume_from.name} ({', '.join(p.name for p in newer)}) to {aside}: this run "
-        f"continues from {resume_from.name}"
+        f"moved the checkpoints after {resume_from.name} ({', '.join(p.name for p in newer)}) to {aside} (with a copy "
+        f"of metrics.jsonl; kept until you delete it): this run continues from {resume_from.name}"
     )
 
 
-def remove_leftovers(ckpt_root: Path, finished: bool) -> list[str]:
+def new_dir(parent: Path, name: str) -> Path:
+    """A directory created under `name`, or name-2, name-3, ... where that is taken: the name of an older one (a clock
+    set back, two in one second) never mixes the two."""
+    for n in range(1, 10_000):
+        path = parent / (name if n == 1 else f"{name}-{n}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, f"{parent / name}-2 to -9999 are all taken", str(parent / name))
+
+
+def remove_leftovers(ckpt_root: Path) -> list[str]:
     """What earlier runs in OUT left that nothing will read: half-written checkpoints (.tmp-step_N), old copies a
-    crash left beside their replacement (.step_N.stale, when step_N is there), markers of crashed starts; once the
-    run has finished, also the branches an explicit --resume set aside. Returns the names removed."""
+    crash left beside their replacement (.step_N.stale, when step_N is there), markers of crashed starts. The branches
+    an explicit --resume set aside are the user's to delete. Returns the names removed."""
     if not ckpt_root.is_dir():
         return []
     doomed = []
@@ -397,11 +494,16 @@ def remove_leftovers(ckpt_root: Path, finished: bool) -> list[str]:
         orphan = UNIVERSAL.fullmatch(p.name) and not (ckpt_root / p.name.removesuffix(".universal")).is_dir()
         if orphan or (match and (match.group(2) is None or (ckpt_root / f"step_{match.group(2)}").is_dir())):
             doomed.append(p)
-        elif finished and ABANDONED.fullmatch(p.name) and p.is_dir() and not p.is_symlink():
-            doomed.append(p)
     for p in doomed:
         remove(p)
     return sorted(p.name for p in doomed)
+
+
+def set_aside(ckpt_root: Path) -> list[Path]:
+    """The branches explicit resumes set aside in ckpt_root (set_aside_newer), oldest name first."""
+    if not ckpt_root.is_dir():
+        return []
+    return sorted(p for p in ckpt_root.iterdir() if ABANDONED.fullmatch(p.name) and p.is_dir() and not p.is_symlink())
 
 
 def first_process_on_disk(accelerator, directory: Path) -> bool:
@@ -449,6 +551,11 @@ def write_failure(tmp: Path, error: BaseException, last_good: Path | None,
         failure.follows_another = True  # said after a pause, so that the failed process's own line comes alone
         return failure
 
+    if too_long(error):  # not a full disk: freeing space would not help
+        return CheckpointWriteError(
+            f"writing {what} {tmp} failed: {type(error).__name__}: {error}; {keep}: {fix_for(error)}, then rerun "
+            f"with --resume auto"
+        )
     free_gib = shutil.disk_usage(tmp if tmp.exists() else tmp.parent).free / 2**30
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     why = f"{free_gib:.1f} GiB free on that disk" + (
@@ -458,6 +565,20 @@ def write_failure(tmp: Path, error: BaseException, last_good: Path | None,
         f"writing {what} {tmp} failed: {type(error).__name__}: {error} ({why}); {keep}: free space or raise "
         f"the limit, then rerun with --resume auto"
     )
+
+
+def too_long(error: BaseException) -> bool:
+    """Whether a write failed for a name or path past the filesystem's limit (torch and safetensors report it in
+    their own exception types, with the system's words)."""
+    return getattr(error, "errno", None) == errno.ENAMETOOLONG or os.strerror(errno.ENAMETOOLONG) in str(error)
+
+
+def fix_for(error: BaseException) -> str:
+    """What to do about a failed write of the run's (train.py's last words on an OSError)."""
+    if too_long(error):
+        return ("a path in OUT is past the filesystem's limit: move the run directory to a shorter path and give "
+                "that as --output_dir")  # fmt: skip
+    return "fix it"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -471,10 +592,10 @@ class Save:
     keep_last: int
 
 
-def save_checkpoint(accelerator, save: Save, resumed_from: Path | None, finaliser: bool) -> Path:
+def save_checkpoint(accelerator, save: Save, kept: tuple[Path, ...], finaliser: bool) -> Path:
     """Every rank writes its shards into .tmp-step_N; once all have, the finaliser of each filesystem (see
     first_process_on_disk) adds trainer_state.json, the model config and the manifest, renames it to step_N, moves
-    `latest` and prunes (never the checkpoint this run resumed from). Raises CheckpointWriteError, with step_N
+    `latest` and prunes (never those in `kept`: Resume.kept). Raises CheckpointWriteError, with step_N
     untouched, when the disk refuses a write."""
     ckpt_root, step = save.ckpt_root, save.step
     final = ckpt_root / f"step_{step}"
@@ -505,13 +626,9 @@ def save_checkpoint(accelerator, save: Save, resumed_from: Path | None, finalise
     if finaliser:  # keep the newest keep_last intact checkpoints; damaged ones before them can never be resumed
         everything = step_dirs(ckpt_root)
         intact = [p for p in everything if checkpoint_problem(p) is None]
-        kept = set(intact[-save.keep_last :]) | {final}
+        keep = set(intact[-save.keep_last :]) | {final}
         for old in everything:
-            if (
-                old not in kept
-                and step_of(old) < step
-                and (resumed_from is None or old.resolve() != resumed_from.resolve())
-            ):
+            if old not in keep and step_of(old) < step and old.resolve() not in {p.resolve() for p in kept}:
                 shutil.rmtree(old, ignore_errors=True)
                 shutil.rmtree(old.with_name(f"{old.name}.universal"), ignore_errors=True)
     accelerator.wait_for_everyone()
@@ -533,7 +650,7 @@ def load_checkpoint(run, parts, universal: Path | None = None) -> None:
         older = f"resume from an older checkpoint with --resume {path.parent}/step_N"
         fix = f"delete it: {path.name} is converted anew at the next start" if universal else older
         raise UserError(f"cannot load checkpoint {universal or path}: {why}; {fix}") from None
-    if run.cfg.resume != "auto" and parts.finaliser:
+    if run.resume.branching and parts.finaliser:
         # This run's own checkpoints only: another run's checkpoint, resumed into a new OUT, leaves that run as it was.
         moved = set_aside_newer(Path(run.cfg.output_dir) / "checkpoints", path, run.resume.state["step"])
         if moved is not None:

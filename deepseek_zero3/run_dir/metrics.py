@@ -103,7 +103,7 @@ def validation_metrics(sources, weights, losses: dict[str, float]) -> dict:
     weights = {s.name: w for s, w in zip(sources, weights) if w > 0 and s.name in losses}
     total = sum(weights.values())
     val = sum(float(w / total) * losses[name] for name, w in weights.items()) if total else float("nan")
-    record = {"val_loss": val, "val_ppl": math.exp(val)}
+    record = {"val_loss": val, "val_ppl": perplexity(val)}
     per_token = {s.name: s.val_bytes_per_token for s in sources}
     if total and all(per_token[name] for name in weights):
         record["val_bpb"] = val / math.log(2) / sum(float(w / total) * per_token[n] for n, w in weights.items())
@@ -111,6 +111,15 @@ def validation_metrics(sources, weights, losses: dict[str, float]) -> dict:
         record.update({f"val_loss/{name}": loss for name, loss in losses.items()})
         record.update({f"val_bpb/{n}": loss / math.log(2) / per_token[n] for n, loss in losses.items() if per_token[n]})
     return record
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), inf where that is past the largest float (a loss over ~709.8 nats: a diverged model's), not an
+    OverflowError that would end the run, or the evaluation, at the line that reports it."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
 
 
 def validation_record(run, step: int, losses: dict[str, list[float]]) -> tuple[dict, str]:

@@ -9,7 +9,8 @@ Skips        a step whose loss or gradient norm is not finite is skipped on ever
              --max_skipped_steps in a row stop the run (backward: fp16 at its minimum loss scale stops it too)
 Watchdog     a phase (startup, step, validation, checkpoint) far past its limit: every process that can still run
              writes its Python stacks to OUT/hang-<time>-rank<R>.txt, one line names the phase and the ranks that
-             answered, and the processes exit so that the launcher's restart (--max_restarts) takes over
+             answered (and a startup's torch build lock, if any), and the processes exit so that the launcher's
+             restart (--max_restarts) takes over
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import errno
 import faulthandler
 import fcntl
 import json
+import math
 import os
 import signal
 import socket
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from deepseek_zero3 import cli
+from deepseek_zero3 import cli, distributed
 from deepseek_zero3.cli import UserError
 from deepseek_zero3.run_dir import checkpoint, metrics
 
@@ -232,6 +234,19 @@ class Skips:
         return True
 
 
+def check_validation(record: dict, step: int) -> None:
+    """A validation loss that is not finite, or so large that its perplexity is past the largest float (over ~709.8
+    nats per token, where a uniform guess over a vocabulary of 100k tokens costs 11.5), is a diverged model: the run
+    stops (Diverged, exit 3) before this step's checkpoint would be written. record: metrics.validation_record's."""
+    if not math.isfinite(record["val_ppl"]):
+        raise Diverged(
+            f"step {step}: the validation loss is {record['val_loss']:.4g} nats per token (perplexity "
+            f"{record['val_ppl']}): the run diverged; stopping without saving this step. The last checkpoint is "
+            f"intact: --resume auto with a lower --lr or a higher --warmup_steps (a resume may change them), or check "
+            f"the data"
+        )
+
+
 class Watchdog:
     """A thread in each process that ends a hung run. The script calls beat() when it starts a phase: startup (from
     before the process group exists, so a restarted attempt that hangs while it joins or loads is caught too), each
@@ -342,10 +357,14 @@ class Watchdog:
         if printer:
             ranks = (f"{_ranks(answered) or 'no rank'} answered, {_ranks(silent) or 'no rank'} did not (killed where "
                      f"they shared a machine with one that did); ") if grouped else ""  # fmt: skip
+            locks = distributed.extension_build_locks() if self.phase == "startup" else []
+            waits = (f"torch's build lock {', '.join(map(str, locks))} exists (a launch killed while DeepSpeed built "
+                     "its op leaves it, and the build waits for it forever): delete it if no build runs, then "
+                     "relaunch; ") if locks else ""  # fmt: skip
             sys.stderr.write(
                 f"error: {what} made no progress for {waited:.0f} s ({'automatic ' if self.auto else ''}limit "
-                f"{limit:.0f} s, --step_timeout_s): {ranks}Python stacks in {self.out}/hang-*-rank*.txt. Exiting; "
-                f"with --max_restarts the launcher restarts the run and --resume auto continues from the last "
+                f"{limit:.0f} s, --step_timeout_s): {waits}{ranks}Python stacks in {self.out}/hang-*-rank*.txt. "
+                f"Exiting; with --max_restarts the launcher restarts the run and --resume auto continues from the last "
                 f"checkpoint\n"
             )
             sys.stderr.flush()

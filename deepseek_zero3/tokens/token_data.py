@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 from fractions import Fraction
 from pathlib import Path
 
@@ -246,7 +247,7 @@ class TrainingData:
 
 def data_dirs(data_dir: str) -> list[str]:
     """--data_dir as directories: one, or several comma-separated (a directory whose own name has a comma is one)."""
-    if Path(data_dir).is_dir():
+    if os.path.isdir(data_dir):  # not Path.is_dir: Python 3.11's raises on a name past the filesystem's limit
         return [data_dir]
     return [d.strip() for d in data_dir.split(",") if d.strip()]
 
