@@ -153,11 +153,7 @@ def start_accelerator(project_dir: str):
     with cli.without_noise():
         accelerator = Accelerator(project_dir=project_dir, kwargs_handlers=kwargs)
     if accelerator.mixed_precision == "fp16" and accelerator.state.deepspeed_plugin is None and not accelerator.scaler:
-        raise UserError(
-            f"fp16 without DeepSpeed needs a GPU: on {accelerator.device.type} Accelerate would run it as fp32 with "
-            f"no loss scaling. Launch with accelerate_configs/zero3_cpu.yaml (DeepSpeed trains fp16 where oneDNN "
-            f"has fp16), or use --mixed_precision bf16 or no"
-        )
+        cpu_fp16_autocast(accelerator)
     started = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     if started > 1 and accelerator.distributed_type == DistributedType.NO:  # torchrun on CPUs without the variable
         raise UserError(
@@ -167,3 +163,21 @@ def start_accelerator(project_dir: str):
             f"or accelerate launch --config_file accelerate_configs/zero3_cpu.yaml train.py ..."
         )
     return accelerator
+
+
+def cpu_fp16_autocast(accelerator) -> None:
+    """fp16 without DeepSpeed on CPUs: Accelerate 1.15 makes neither autocast nor a GradScaler there (its fp16 is for
+    accelerators), so the run would train in fp32 with no loss scaling while calling itself fp16. Where oneDNN has
+    fp16 (Xeons with AMX-FP16 or AVX512-FP16) this gives the Accelerator what it makes on a GPU: fp16 autocast around
+    the prepared model's forward and torch's GradScaler on the CPU, which its backward, unscale and optimizer step
+    then use as they use the CUDA one. So the DDP fp16 path of ddp_3gpu.yaml (loss scaling, skipped steps) runs, and
+    is tested, on CPU processes. Elsewhere: refused, before anything is written."""
+    if accelerator.device.type != "cpu" or not torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        raise UserError(
+            f"fp16 without DeepSpeed on {accelerator.device.type}: Accelerate would run it as fp32 with no loss "
+            f"scaling, and this CPU has no fp16 in oneDNN (python -c \"import torch; print(torch.ops.mkldnn."
+            f"_is_mkldnn_fp16_supported())\" prints False); use --mixed_precision bf16 or no, or a GPU"
+        )
+    kwargs = accelerator.scaler_handler.to_kwargs() if accelerator.scaler_handler is not None else {}
+    accelerator.native_amp = True  # prepare() wraps the model's forward in torch.autocast("cpu", float16)
+    accelerator.scaler = torch.amp.GradScaler("cpu", **kwargs)
