@@ -436,7 +436,7 @@ def setup(cfg: Config, given: set[str]) -> tuple[Run, Parts]:
     accelerator.print(
         f"model: {n_params / 1e6:.2f}M parameters ({counts['non_embedding'] / 1e6:.2f}M non-embedding{activated}), "
         f"{planned.flops_per_token / 1e6:.1f} MFLOP/token; peak {planned.peak_flops / 1e12:.2f} TFLOP/s "
-        f"({planned.peak_source}); loss: {loss_path(cfg.loss_chunk_tokens, accelerator.device)}"
+        f"({planned.peak_source}); loss: {loss_path(cfg.loss_chunk_tokens)}"
     )
     parts = Parts(accelerator, model, optimizer, balancer, planned, finaliser, watchdog)
     if run.resume is not None:

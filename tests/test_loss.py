@@ -145,8 +145,8 @@ def test_train_lm_loss_takes_the_path_its_flag_names(monkeypatch):
     chunked = train.lm_loss(model, (inputs, targets, None), train.Config(loss_chunk_tokens=16))
     assert calls == [16] and float(chunked) == pytest.approx(float(full), rel=1e-6)
     assert train.Config().loss_chunk_tokens == lmloss.DEFAULT_CHUNK_TOKENS > 0
-    assert "chunks of 16 tokens" in lmloss.loss_path(16, torch.device("cpu"))
-    assert "full logits" in lmloss.loss_path(0, torch.device("cpu"))
+    assert "chunks of 16 tokens" in lmloss.loss_path(16)
+    assert "full logits" in lmloss.loss_path(0)
 
 
 # Under ZeRO-3 (DeepSpeed engines built here, fp32, each process its own batch): the loss and the full gradients of

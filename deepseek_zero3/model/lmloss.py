@@ -250,24 +250,11 @@ def compute_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else dtype
 
 
-def loss_path(chunk_tokens: int, device: torch.device) -> str:
+def loss_path(chunk_tokens: int) -> str:
     """The loss path model_nll takes, in words, for the startup line."""
     if chunk_tokens == 0:
         return "full logits (--loss_chunk_tokens 0)"
-    if _liger_loss(device) is not None:
-        return "Liger Kernel's fused linear cross-entropy"
     return f"output layer + cross-entropy in chunks of {chunk_tokens} tokens, all but the last recomputed in backward"
-
-
-def _liger_loss(device: torch.device):
-    """Liger Kernel's fused linear cross-entropy (summed), on a GPU where liger-kernel is installed; else None."""
-    if device.type != "cuda":
-        return None
-    try:
-        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-    except ImportError:
-        return None
-    return LigerFusedLinearCrossEntropyLoss(ignore_index=-100, reduction="sum")
 
 
 def model_nll(
@@ -283,7 +270,7 @@ def model_nll(
 
     With chunk_tokens > 0 the model runs its own forward (ZeRO-3's hooks gather the output weight once, as for its
     logits, and once again in backward), but its output layer, while called, returns the summed NLL of its hidden
-    states taken chunk by chunk (ChunkedLinearNLL; Liger's fused kernel on a GPU where installed) instead of logits.
+    states taken chunk by chunk (ChunkedLinearNLL) instead of logits.
     That is the loss only if the model returns what its output layer returned as its logits, unchanged: checked on a
     model's first call (ZeRO-3 hands back a copy, so by value). A model that caps, scales or reshapes its logits, or
     whose output layer has a bias, is named once and takes the full logits path.
@@ -297,12 +284,10 @@ def model_nll(
     core = extract_model_from_parallel(model)
     head = core.get_output_embeddings() if chunk_tokens or mtp_depths else None
     if isinstance(head, torch.nn.Linear) and head.bias is None and _plain.get(core, True):
-        flat_targets, liger = targets.reshape(-1), _liger_loss(inputs.device)
+        flat_targets = targets.reshape(-1)
 
         def nll(hidden: torch.Tensor, targets: torch.Tensor, weight_cast=None) -> torch.Tensor:
             hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-            if liger is not None:
-                return liger(head.weight, hidden, targets).double()
             return ChunkedLinearNLL.apply(hidden, head.weight, targets, chunk_tokens or len(hidden), weight_cast)
 
         def loss_forward(hidden: torch.Tensor) -> torch.Tensor:
