@@ -390,11 +390,17 @@ def build_model(run: Run, accelerator):
     accelerator.print(f"parameters held per process: {' '.join(f'{h:.1%}' for h in held)}")
     accelerator.print(optimizer_lib.describe(model, cfg))
     optimizer = make_optimizer(model, cfg, accelerator)
-    if accelerator.state.deepspeed_plugin is not None:
+    deepspeed = accelerator.state.deepspeed_plugin is not None
+    if deepspeed:
         ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
         ds_config["train_micro_batch_size_per_gpu"] = cfg.micro_batch_size
         ds_config["gradient_clipping"] = cfg.max_grad_norm
+        # bf16 under ZeRO-2/3: gradients summed over the micro-steps in fp32, not in bf16 (distributed.Launch)
+        ds_config.setdefault("data_types", {})["grad_accum_dtype"] = run.launch.grad_accum_dtype
     model, optimizer = accelerator.prepare(model, optimizer)
+    if deepspeed:
+        accelerator.print(f"gradients: summed over {run.launch.grad_accum_steps} micro-step(s) per step in "
+                          f"{distributed.grad_accum_dtype_of(model)} (DeepSpeed's data_types.grad_accum_dtype)")
     balancer = None
     if moe.routers(accelerator.unwrap_model(model)):
         balancer = moe.LoadBalancer(accelerator.unwrap_model(model), cfg.moe_bias_update_speed, cfg.moe_aux_loss_alpha)

@@ -29,6 +29,25 @@ class Launch:
     offload_params: bool
     gpu: bool
     zero_stage: int  # 0: no DeepSpeed (plain DDP, or one process)
+    grad_accum_dtype_set: str = ""  # the DeepSpeed config's data_types.grad_accum_dtype, where it names one
+
+    @property
+    def grad_accum_dtype(self) -> str:
+        """What gradients are summed in over the micro-steps of a step. Under DeepSpeed: the config's
+        data_types.grad_accum_dtype where it names one; else fp32 for bf16 under ZeRO-2/3, which train.py sets
+        (DeepSpeed's default is the model's dtype: bf16 rounds the sum to 8 bits of mantissa at every micro-step);
+        else the model's dtype (ZeRO-1 takes another optimizer wrapper for bf16 with fp32 sums, BF16_Optimizer, which
+        refuses Muon's 3-D expert tensors, and DeepSpeed without ZeRO refuses the mix). Without DeepSpeed: the fp32
+        parameters' own gradients."""
+        if not self.zero_stage:
+            return "fp32"
+        if self.grad_accum_dtype_set:
+            return self.grad_accum_dtype_set
+        return "fp32" if self.precision == "bf16" and self.zero_stage in (2, 3) else self.precision
+
+
+# DeepSpeed's names of a dtype (its DtypeEnum), as a launch's precision names them.
+DTYPE_NAMES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
 
 
 def launch_record(
@@ -55,6 +74,8 @@ def launch_record(
     def offloaded(key: str, yaml_key: str) -> str:
         return zero.get(key, {}).get("device") or yaml_deepspeed.get(yaml_key) or "none"
 
+    accum_dtype = str((ds_config.get("data_types") or {}).get("grad_accum_dtype") or "").removeprefix("torch.")
+
     return Launch(
         world_size=world_size,
         nodes=nodes,
@@ -64,7 +85,15 @@ def launch_record(
         offload_params=offloaded("offload_param", "offload_param_device") != "none",
         gpu=gpu,
         zero_stage=int(zero.get("stage", yaml_deepspeed.get("zero_stage", 3))) if deepspeed else 0,
+        grad_accum_dtype_set=DTYPE_NAMES.get(accum_dtype, accum_dtype),
     )
+
+
+def grad_accum_dtype_of(engine) -> str:
+    """The dtype a prepared DeepSpeed engine sums gradients in: its ZeRO optimizer's buffers', else its config's."""
+    dtype = getattr(engine.optimizer, "gradient_accumulation_dtype", None) or engine.get_data_types()[1]
+    name = str(dtype).removeprefix("torch.")
+    return DTYPE_NAMES.get(name, name)
 
 
 def read_launch(path: str) -> Launch:
