@@ -399,8 +399,7 @@ def build_model(run: Run, accelerator):
         ds_config.setdefault("data_types", {})["grad_accum_dtype"] = run.launch.grad_accum_dtype
     model, optimizer = accelerator.prepare(model, optimizer)
     if deepspeed:
-        accelerator.print(f"gradients: summed over {run.launch.grad_accum_steps} micro-step(s) per step in "
-                          f"{distributed.grad_accum_dtype_of(model)} (DeepSpeed's data_types.grad_accum_dtype)")
+        accelerator.print(distributed.describe_engine(model, run.launch.grad_accum_steps))
     balancer = None
     if moe.routers(accelerator.unwrap_model(model)):
         balancer = moe.LoadBalancer(accelerator.unwrap_model(model), cfg.moe_bias_update_speed, cfg.moe_aux_loss_alpha)
@@ -448,6 +447,7 @@ def setup(cfg: Config, given: set[str]) -> tuple[Run, Parts]:
     if run.resume is not None:
         checkpoint.load_checkpoint(run, parts, universal)
         reshard.after_load(model, universal, run.launch.zero_stage)
+        optimizer_lib.after_load(parts.engine)  # a Muon checkpoint of DeepSpeed's FusedAdam: torch's AdamW's steps
     resumed = run.resume.state if run.resume else None
     parts.skips = resilience.Skips(parts, resumed, cfg.max_skipped_steps, run.launch.precision)
     parts.trackers = metrics.start_outputs(run, accelerator, mem_before_model_gib, n_params)

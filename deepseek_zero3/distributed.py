@@ -89,11 +89,19 @@ def launch_record(
     )
 
 
-def grad_accum_dtype_of(engine) -> str:
-    """The dtype a prepared DeepSpeed engine sums gradients in: its ZeRO optimizer's buffers', else its config's."""
-    dtype = getattr(engine.optimizer, "gradient_accumulation_dtype", None) or engine.get_data_types()[1]
-    name = str(dtype).removeprefix("torch.")
-    return DTYPE_NAMES.get(name, name)
+def describe_engine(engine, grad_accum_steps: int) -> str:
+    """What a prepared DeepSpeed engine runs, read from it, for a startup line: its ZeRO stage, the optimizer inside
+    its ZeRO wrapper (with Muon, the class of its AdamW half: DeepSpeed's inline update where it has none), and the
+    dtype it sums the micro-steps' gradients in (its ZeRO optimizer's buffers', else its config's)."""
+    zero = engine.optimizer
+    base = getattr(zero, "optimizer", zero)
+    name = type(base).__name__
+    if hasattr(base, "aux_optimizer"):
+        name += f" (AdamW half: {type(base.aux_optimizer).__name__ if base.aux_optimizer else 'inline update'})"
+    dtype = str(getattr(zero, "gradient_accumulation_dtype", None) or engine.get_data_types()[1])
+    dtype = DTYPE_NAMES.get(dtype.removeprefix("torch."), dtype.removeprefix("torch."))
+    return (f"DeepSpeed: ZeRO-{engine.zero_optimization_stage()}, {name}; gradients summed over {grad_accum_steps} "
+            f"micro-step(s) per step in {dtype}")
 
 
 def read_launch(path: str) -> Launch:

@@ -174,14 +174,16 @@ def test_fp16_overflow_skips_halves_the_scale_and_stops_at_the_minimum(docs_data
 def test_bf16_zero3_sums_gradients_in_fp32(docs_data, tmp_path):
     """Issue #60: a bf16 ZeRO-3 run's engine sums the gradients of its micro-steps in fp32 (DeepSpeed's default is the
     model's dtype: bf16 rounds the sum to 8 bits of mantissa at every micro-step). 2 processes, accumulation 2: the
-    line train.py prints from the live engine's ZeRO optimizer. Seen failing before: it said bf16."""
+    line train.py prints from the live engine's ZeRO optimizer. Seen failing with the rule broken: it said bf16."""
     out = tmp_path / "accum"
     cmd = launch_cmd(2, *TINY, "--max_steps", "2", "--micro_batch_size", "2", "--no_eval_at_start", "--data_dir",
                      docs_data, "--output_dir", out, accum=2)  # fmt: skip
     proc = run(cmd[:2] + ["--mixed_precision", "bf16"] + cmd[2:])
     assert_processes(proc, 2, accum=2)
     assert "DEEPSPEED, bf16" in proc.stdout
-    assert "gradients: summed over 2 micro-step(s) per step in fp32" in proc.stdout, proc.stdout[-3000:]
+    assert "DeepSpeed: ZeRO-3, AdamW; gradients summed over 2 micro-step(s) per step in fp32" in proc.stdout, (
+        proc.stdout[-3000:]
+    )
     assert all(math.isfinite(r["loss"]) for r in train_records(out).values())
 
 
@@ -238,7 +240,7 @@ for name, accum_dtype in (("launch", launch.grad_accum_dtype), ("deepspeed_defau
     for x, y in batches:
         summed = backward(engine, x, y)
     error = max(((summed[k] - exact[k]).norm() / exact[k].norm()).item() for k in exact)
-    results[name] = {{"dtype": distributed.grad_accum_dtype_of(engine), "error": error}}
+    results[name] = {{"dtype": distributed.describe_engine(engine, MICRO).split()[-1], "error": error}}
 acc.print("RESULT " + json.dumps(results))
 exit_process(0)
 """
