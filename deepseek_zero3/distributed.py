@@ -145,6 +145,23 @@ def live_launch(accelerator) -> Launch:
     )
 
 
+def no_gpu_note(device: torch.device, asked: str) -> str:
+    """Why a process that CUDA_VISIBLE_DEVICES meant for a GPU has none ('' when it has one, was given --device by
+    name (`asked`), or nothing was set). CUDA numbers the GPUs a process is shown from 0, so an index the machine does
+    not have (3 on a machine of 3 GPUs: 0, 1, 2), or an empty value, shows it none, and the process runs on the CPU."""
+    shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if shown is None or asked or device.type != "cpu" or torch.cuda.device_count():
+        return ""
+    if torch.version.cuda is None:
+        return f"note: CUDA_VISIBLE_DEVICES={shown!r} is set, but this torch ({torch.__version__}) has no CUDA: the CPU"
+    return (
+        f"warning: CUDA_VISIBLE_DEVICES={shown!r} leaves this process no GPU (CUDA numbers the GPUs it is shown from "
+        f"0: an index the machine does not have, such as 3 on a machine of 3 GPUs, or an empty value shows none), so "
+        f"it runs on the CPU, many times slower. To use a GPU set CUDA_VISIBLE_DEVICES to an index `nvidia-smi -L` "
+        f"lists; to use the CPU on purpose pass --device cpu"
+    )
+
+
 def join_restarted_process_group() -> None:
     """After a restart by `accelerate launch --max_restarts N` (torchrun's elastic agent), create the process group
     under a key prefix of this attempt, before Accelerate and DeepSpeed would (DeepSpeed adopts a group that exists).
