@@ -12,8 +12,9 @@
 
 Both are kept implementations, not ours: under DeepSpeed (ZeRO-1/2/3) its own Muon (optimizer type "Muon", the update
 computed on whole gradients, each rank a round-robin share of the matrices, the momentum partitioned like Adam's
-state); without DeepSpeed (DDP, one plain process) DeepSpeed's single-device class of the same update, which takes
-the 3-D expert tensors that torch.optim.Muon (2-D only) refuses. Muon with the optimizer offloaded is refused.
+state; its AdamW half torch's AdamW, so nothing is built on first use); without DeepSpeed (DDP, one plain process)
+DeepSpeed's single-device class of the same update, which takes the 3-D expert tensors that torch.optim.Muon (2-D
+only) refuses. Muon with the optimizer offloaded is refused.
 
 Muon runs without gradient clipping (resolve), as the speedrun's records do. Under DeepSpeed the grad_norm a
 run logs is the norm DeepSpeed takes: of Muon's orthogonalised updates and AdamW's gradients; without it, of the
@@ -139,10 +140,8 @@ def make(model, cfg, accelerator=None):
         optimizer = torch.optim.AdamW(param_groups, lr=cfg.lr, betas=betas, eps=cfg.adam_eps, fused=True)
         optimizer.register_load_state_dict_post_hook(lambda opt: [g.update(fused=True) for g in opt.param_groups])
         return optimizer
-    how = compile_newton_schulz(accelerator.device if accelerator is not None else next(model.parameters()).device,
-                                accelerator)
-    print_line = accelerator.print if accelerator is not None else print
-    print_line(how)
+    device = accelerator.device if accelerator is not None else next(model.parameters()).device
+    (accelerator.print if accelerator is not None else print)(compile_newton_schulz(device, accelerator))
     plugin = accelerator.state.deepspeed_plugin if accelerator is not None else None
     if plugin is not None:  # DeepSpeed builds its Muon from the config; Accelerate hands it these groups
         from accelerate.utils import DummyOptim
