@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from deepseek_zero3 import cli
+from deepseek_zero3 import cli, distributed
 from deepseek_zero3.cli import UserError, field, write_json_atomic
 from deepseek_zero3.data import corpora, documents
 from deepseek_zero3.evaluation import harness_tasks
@@ -456,7 +456,7 @@ def evaluate(cfg: Config) -> dict:
     state = PartialState(cpu=cfg.device == "cpu" or not torch.cuda.is_available())
     device = torch.device(cfg.device) if cfg.device else state.device
     check_flags(cfg)
-    model_dtype(cfg, device)
+    say_device(cfg, state, device, model_dtype(cfg, device))
     settings = task_settings(cfg, state.num_processes)
     cfg = dataclasses.replace(cfg, dataset=cfg.dataset or ("" if settings else "wikitext-2"))
     ckpt = run_model.find_checkpoint(cfg.model, cfg.tokenizer)
@@ -481,6 +481,24 @@ def evaluate(cfg: Config) -> dict:
         report.update(harness_tasks.task_report(results, settings))
     report.update(dtype=str(model.dtype).replace("torch.", ""), processes=state.num_processes)
     return report
+
+
+def say_device(cfg: Config, state, device: torch.device, dtype: torch.dtype) -> None:
+    """The first lines: the device and dtype the model is scored on, and why there is no GPU where CUDA_VISIBLE_DEVICES
+    hid them all (a README command once named a fourth GPU on a machine of three: fp32 on the CPU, unsaid). A --device
+    cuda with none visible is refused."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+        why = "" if shown is None else f" (CUDA_VISIBLE_DEVICES={shown!r}: CUDA numbers the GPUs it shows from 0)"
+        raise UserError(f"--device {cfg.device}: this process sees no CUDA device{why}; pick a GPU `nvidia-smi -L` "
+                        f"lists with CUDA_VISIBLE_DEVICES, or --device cpu")  # fmt: skip
+    if not state.is_main_process:
+        return
+    name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
+    processes = f", {state.num_processes} processes" if state.num_processes > 1 else ""
+    print(f"scoring on {device}{name} in {str(dtype).removeprefix('torch.')}{processes}", flush=True)
+    if note := distributed.no_gpu_note(device, cfg.device):
+        print(note, flush=True)
 
 
 def check_flags(cfg: Config) -> None:

@@ -393,11 +393,16 @@ def build_model(run: Run, accelerator):
     accelerator.print(f"parameters held per process: {' '.join(f'{h:.1%}' for h in held)}")
     accelerator.print(optimizer_lib.describe(model, cfg))
     optimizer = make_optimizer(model, cfg, accelerator)
-    if accelerator.state.deepspeed_plugin is not None:
+    deepspeed = accelerator.state.deepspeed_plugin is not None
+    if deepspeed:
         ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
         ds_config["train_micro_batch_size_per_gpu"] = cfg.micro_batch_size
         ds_config["gradient_clipping"] = cfg.max_grad_norm
+        # bf16 under ZeRO-2/3: gradients summed over the micro-steps in fp32, not in bf16 (distributed.Launch)
+        ds_config.setdefault("data_types", {})["grad_accum_dtype"] = run.launch.grad_accum_dtype
     model, optimizer = accelerator.prepare(model, optimizer)
+    if deepspeed:
+        accelerator.print(distributed.describe_engine(model, run.launch.grad_accum_steps))
     balancer = None
     if moe.routers(accelerator.unwrap_model(model)):
         balancer = moe.LoadBalancer(accelerator.unwrap_model(model), cfg.moe_bias_update_speed, cfg.moe_aux_loss_alpha)
@@ -439,12 +444,13 @@ def setup(cfg: Config, given: set[str]) -> tuple[Run, Parts]:
     accelerator.print(
         f"model: {n_params / 1e6:.2f}M parameters ({counts['non_embedding'] / 1e6:.2f}M non-embedding{activated}), "
         f"{planned.flops_per_token / 1e6:.1f} MFLOP/token; peak {planned.peak_flops / 1e12:.2f} TFLOP/s "
-        f"({planned.peak_source}); loss: {loss_path(cfg.loss_chunk_tokens, accelerator.device)}"
+        f"({planned.peak_source}); loss: {loss_path(cfg.loss_chunk_tokens)}"
     )
     parts = Parts(accelerator, model, optimizer, balancer, planned, finaliser, watchdog)
     if run.resume is not None:
         checkpoint.load_checkpoint(run, parts, universal)
         reshard.after_load(model, universal, run.launch.zero_stage)
+        optimizer_lib.after_load(parts.engine)  # a Muon checkpoint of DeepSpeed's FusedAdam: torch's AdamW's steps
     resumed = run.resume.state if run.resume else None
     parts.skips = resilience.Skips(parts, resumed, cfg.max_skipped_steps, run.launch.precision)
     parts.trackers = metrics.start_outputs(run, accelerator, mem_before_model_gib, n_params)

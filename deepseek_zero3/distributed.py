@@ -31,6 +31,25 @@ class Launch:
     offload_params: bool
     gpu: bool
     zero_stage: int  # 0: no DeepSpeed (plain DDP, or one process)
+    grad_accum_dtype_set: str = ""  # the DeepSpeed config's data_types.grad_accum_dtype, where it names one
+
+    @property
+    def grad_accum_dtype(self) -> str:
+        """What gradients are summed in over the micro-steps of a step. Under DeepSpeed: the config's
+        data_types.grad_accum_dtype where it names one; else fp32 for bf16 under ZeRO-2/3, which train.py sets
+        (DeepSpeed's default is the model's dtype: bf16 rounds the sum to 8 bits of mantissa at every micro-step);
+        else the model's dtype (ZeRO-1 takes another optimizer wrapper for bf16 with fp32 sums, BF16_Optimizer, which
+        refuses Muon's 3-D expert tensors, and DeepSpeed without ZeRO refuses the mix). Without DeepSpeed: the fp32
+        parameters' own gradients."""
+        if not self.zero_stage:
+            return "fp32"
+        if self.grad_accum_dtype_set:
+            return self.grad_accum_dtype_set
+        return "fp32" if self.precision == "bf16" and self.zero_stage in (2, 3) else self.precision
+
+
+# DeepSpeed's names of a dtype (its DtypeEnum), as a launch's precision names them.
+DTYPE_NAMES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
 
 
 def launch_record(
@@ -57,6 +76,8 @@ def launch_record(
     def offloaded(key: str, yaml_key: str) -> str:
         return zero.get(key, {}).get("device") or yaml_deepspeed.get(yaml_key) or "none"
 
+    accum_dtype = str((ds_config.get("data_types") or {}).get("grad_accum_dtype") or "").removeprefix("torch.")
+
     return Launch(
         world_size=world_size,
         nodes=nodes,
@@ -66,7 +87,23 @@ def launch_record(
         offload_params=offloaded("offload_param", "offload_param_device") != "none",
         gpu=gpu,
         zero_stage=int(zero.get("stage", yaml_deepspeed.get("zero_stage", 3))) if deepspeed else 0,
+        grad_accum_dtype_set=DTYPE_NAMES.get(accum_dtype, accum_dtype),
     )
+
+
+def describe_engine(engine, grad_accum_steps: int) -> str:
+    """What a prepared DeepSpeed engine runs, read from it, for a startup line: its ZeRO stage, the optimizer inside
+    its ZeRO wrapper (with Muon, the class of its AdamW half: DeepSpeed's inline update where it has none), and the
+    dtype it sums the micro-steps' gradients in (its ZeRO optimizer's buffers', else its config's)."""
+    zero = engine.optimizer
+    base = getattr(zero, "optimizer", zero)
+    name = type(base).__name__
+    if hasattr(base, "aux_optimizer"):
+        name += f" (AdamW half: {type(base.aux_optimizer).__name__ if base.aux_optimizer else 'inline update'})"
+    dtype = str(getattr(zero, "gradient_accumulation_dtype", None) or engine.get_data_types()[1])
+    dtype = DTYPE_NAMES.get(dtype.removeprefix("torch."), dtype.removeprefix("torch."))
+    return (f"DeepSpeed: ZeRO-{engine.zero_optimization_stage()}, {name}; gradients summed over {grad_accum_steps} "
+            f"micro-step(s) per step in {dtype}")
 
 
 def read_launch(path: str) -> Launch:
@@ -107,6 +144,23 @@ def live_launch(accelerator) -> Launch:
         gpu,
         plugin is not None,
         default_accum=accelerator.gradient_accumulation_steps,
+    )
+
+
+def no_gpu_note(device: torch.device, asked: str) -> str:
+    """Why a process that CUDA_VISIBLE_DEVICES meant for a GPU has none ('' when it has one, was given --device by
+    name (`asked`), or nothing was set). CUDA numbers the GPUs a process is shown from 0, so an index the machine does
+    not have (3 on a machine of 3 GPUs: 0, 1, 2), or an empty value, shows it none, and the process runs on the CPU."""
+    shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if shown is None or asked or device.type != "cpu" or torch.cuda.device_count():
+        return ""
+    if torch.version.cuda is None:
+        return f"note: CUDA_VISIBLE_DEVICES={shown!r} is set, but this torch ({torch.__version__}) has no CUDA: the CPU"
+    return (
+        f"warning: CUDA_VISIBLE_DEVICES={shown!r} leaves this process no GPU (CUDA numbers the GPUs it is shown from "
+        f"0: an index the machine does not have, such as 3 on a machine of 3 GPUs, or an empty value shows none), so "
+        f"it runs on the CPU, many times slower. To use a GPU set CUDA_VISIBLE_DEVICES to an index `nvidia-smi -L` "
+        f"lists; to use the CPU on purpose pass --device cpu"
     )
 
 
@@ -256,11 +310,7 @@ def start_accelerator(project_dir: str):
     with cli.without_noise():
         accelerator = Accelerator(project_dir=project_dir, kwargs_handlers=kwargs)
     if accelerator.mixed_precision == "fp16" and accelerator.state.deepspeed_plugin is None and not accelerator.scaler:
-        raise UserError(
-            f"fp16 without DeepSpeed needs a GPU: on {accelerator.device.type} Accelerate would run it as fp32 with "
-            f"no loss scaling. Launch with accelerate_configs/zero3_cpu.yaml (DeepSpeed trains fp16 where oneDNN "
-            f"has fp16), or use --mixed_precision bf16 or no"
-        )
+        cpu_fp16_autocast(accelerator)
     started = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     if started > 1 and accelerator.distributed_type == DistributedType.NO:  # torchrun on CPUs without the variable
         raise UserError(
@@ -270,3 +320,21 @@ def start_accelerator(project_dir: str):
             f"or accelerate launch --config_file accelerate_configs/zero3_cpu.yaml train.py ..."
         )
     return accelerator
+
+
+def cpu_fp16_autocast(accelerator) -> None:
+    """fp16 without DeepSpeed on CPUs: Accelerate 1.15 makes neither autocast nor a GradScaler there (its fp16 is for
+    accelerators), so the run would train in fp32 with no loss scaling while calling itself fp16. Where oneDNN has
+    fp16 (Xeons with AMX-FP16 or AVX512-FP16) this gives the Accelerator what it makes on a GPU: fp16 autocast around
+    the prepared model's forward and torch's GradScaler on the CPU, which its backward, unscale and optimizer step
+    then use as they use the CUDA one. So the DDP fp16 path of ddp_3gpu.yaml (loss scaling, skipped steps) runs, and
+    is tested, on CPU processes. Elsewhere: refused, before anything is written."""
+    if accelerator.device.type != "cpu" or not torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        raise UserError(
+            f"fp16 without DeepSpeed on {accelerator.device.type}: Accelerate would run it as fp32 with no loss "
+            f"scaling, and this CPU has no fp16 in oneDNN (python -c \"import torch; print(torch.ops.mkldnn."
+            f"_is_mkldnn_fp16_supported())\" prints False); use --mixed_precision bf16 or no, or a GPU"
+        )
+    kwargs = accelerator.scaler_handler.to_kwargs() if accelerator.scaler_handler is not None else {}
+    accelerator.native_amp = True  # prepare() wraps the model's forward in torch.autocast("cpu", float16)
+    accelerator.scaler = torch.amp.GradScaler("cpu", **kwargs)

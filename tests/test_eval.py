@@ -435,3 +435,34 @@ def test_a_name_past_the_filesystems_limit_is_one_line(flag, bare_model, tmp_pat
     assert code == 2 and err.startswith(f"error: {flag} {tmp_path}") and err.count("\n") == 1, err
     assert "a name of 300 bytes, over the 255 bytes a name may have" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.txt"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a process that sees a GPU scores on it")
+def test_the_first_line_names_device_and_dtype_and_a_hidden_gpu_is_said(bare_model, tmp_path, capsys, monkeypatch):
+    """README once said `CUDA_VISIBLE_DEVICES=3 python eval.py ...` for a machine of 3 GPUs (0, 1, 2): CUDA then shows
+    the process none, and eval.py scored on the CPU in fp32 without a word. Its first line now names the device and
+    dtype, and a CUDA_VISIBLE_DEVICES that leaves no GPU is said, with how to pick one; --device cuda is refused in one
+    line. This torch has no CUDA: a CUDA build is stood in for by its version string (torch.version.cuda), the one
+    part not real here. Seen failing before: no such lines."""
+    (tmp_path / "ok.txt").write_text("Some text.\n\nMore text.\n")
+    args = ["--model", str(bare_model), "--dataset", str(tmp_path / "ok.txt")]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+    def first_lines(*extra) -> list[str]:
+        assert ev.main([*args, *extra]) == 0
+        return capsys.readouterr().out.splitlines()[:2]
+
+    assert first_lines()[0] == "scoring on cpu in float32" and "CUDA_VISIBLE_DEVICES" not in first_lines()[1]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    lines = first_lines()
+    assert lines[0] == "scoring on cpu in float32", lines
+    assert lines[1].startswith("warning: CUDA_VISIBLE_DEVICES='3' leaves this process no GPU (CUDA numbers"), lines
+    assert "`nvidia-smi -L`" in lines[1] and "--device cpu" in lines[1]
+    assert "CUDA_VISIBLE_DEVICES" not in first_lines("--device", "cpu")[1]  # the CPU on purpose
+    assert ev.main([*args, "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --device cuda: this process sees no CUDA device (CUDA_VISIBLE_DEVICES='3'"), err
+    assert err.count("\n") == 1
+    monkeypatch.setattr(torch.version, "cuda", None)  # this torch as it is: built without CUDA
+    assert first_lines()[1].startswith("note: CUDA_VISIBLE_DEVICES='3' is set, but this torch")

@@ -211,6 +211,37 @@ def test_half_precision_weights_train_the_modules():
     assert mtp.modules_of(model)[0].eh_proj.weight.grad.abs().sum() > 0
 
 
+def test_under_autocast_the_depths_share_one_16_bit_output_weight():
+    """Under bf16 autocast (DDP, one process) the main loss and each depth's compute in bf16 from one bf16 copy of the
+    output weight, as autocast's cache gives the full-logits path; a copy per depth would hold another vocabulary x
+    hidden matrix until backward. Seen failing with a copy made in each loss."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from test_loss import VocabMatmuls
+    from test_precision import UNITS
+
+    if not UNITS["bf16"][0]:
+        pytest.skip(UNITS["bf16"][1])
+    model = build("deepseek-v3-tiny", 2).train()
+    weight = model.get_output_embeddings().weight
+    copies = []
+
+    class Copies(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func == torch.ops.aten._to_copy.default and args[0].data_ptr() == weight.data_ptr():
+                copies.append(out.dtype)
+            return out
+
+    inputs = torch.randint(1, 512, (2, 32))
+    with VocabMatmuls(model.config.vocab_size) as seen, Copies():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses = train.lm_loss(model, (inputs, torch.roll(inputs, -1, 1), None), train.Config(mtp_depth=2))
+        mtp.objective(losses, 0.3).backward()
+    assert copies == [torch.bfloat16] and seen.dtypes == {torch.bfloat16}, (copies, seen.dtypes)
+    assert torch.isfinite(losses).all() and weight.grad.dtype == torch.float32 and weight.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("preset", ["tiny", "deepseek-v3-tiny"])
 def test_depths_chain_the_block_output_and_a_depth_without_targets_adds_nothing(preset):
     """Depth 2 reads depth 1's block output before its post_norm (the report's h^1; vLLM's DeepSeek MTP chains its

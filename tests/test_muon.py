@@ -5,6 +5,7 @@ single-device class) and under ZeRO-3 (DeepSeek-V3 preset with its MTP module, a
 NaN loss at step 3 that every process skips, as with AdamW."""
 
 import dataclasses
+import io
 import json
 import re
 import shutil
@@ -38,6 +39,9 @@ RUNS_TOLERANCE = 1e-5 if NS_DTYPE == torch.float32 else 3e-4
 NAN_STEP = 3  # rank 0's loss is NaN at step 3 of the straight runs: every process skips it (weights, momentum, LR)
 NAN = {"TRAIN_TEST_FAULT": f"nan_loss:0:{NAN_STEP}"}
 SKIPPED = f"step {NAN_STEP}: skipped (the loss or gradient norm is not finite)"
+# DeepSpeed's Muon with torch's AdamW for its AdamW half: no FusedAdam to build on first use (nvcc, ninja; issue #60),
+# as the live engine says it at start. Seen failing without "torch_adam": "AdamW half: FusedAdam".
+AUX_TORCH_ADAMW = "DeepSpeed: ZeRO-{stage}, MuonWithAuxAdam (AdamW half: AdamW)"
 
 
 def model_of(preset: str, vocab: int = 96):
@@ -64,7 +68,7 @@ def test_the_step_is_the_orthogonalised_momentum_and_the_rest_is_adamw():
     _, model = model_of("tiny")
     cfg = train.Config(optimizer="muon", lr=2e-3, muon_lr=0.02, muon_weight_decay=0.1, weight_decay=0.1)
     opt = optimizer_lib.make(model, cfg, None)
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # on a CPU nothing is compiled (eager_on_cpu)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # a CPU compiles nothing (compile_newton_schulz)
     names = dict(model.named_parameters())
     q, embed, norm = (names[n] for n in ("model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight",
                                          "model.norm.weight"))  # fmt: skip
@@ -103,13 +107,74 @@ def test_a_cpu_run_compiles_nothing_unless_it_asked_accelerate_to(monkeypatch):
 
     torch.compiler.set_stance("default")
     monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "INDUCTOR")  # accelerate launch --dynamo_backend inductor
-    optimizer_lib.eager_on_cpu("cpu")
+    assert "compiled (torch.compile)" in optimizer_lib.compile_newton_schulz(torch.device("cpu"))
     assert eval_frame._stance.stance == "default"
     monkeypatch.delenv("ACCELERATE_DYNAMO_BACKEND")
-    optimizer_lib.eager_on_cpu("cuda")
-    assert eval_frame._stance.stance == "default"
-    optimizer_lib.eager_on_cpu("cpu")
+    assert "eager" in optimizer_lib.compile_newton_schulz(torch.device("cpu"))
     assert eval_frame._stance.stance == "force_eager"
+
+
+def test_a_compiler_that_does_not_work_leaves_newton_schulz_eager_and_says_so(docs_data, tmp_path):
+    """Issue #60: where Muon's update is compiled (GPUs: Triton; here a CPU run that asked Accelerate to compile, as
+    `accelerate launch --dynamo_backend inductor` does) and the compiler does not work on the machine, the run says so
+    in its first lines and trains eagerly. The broken compiler is real: CXX names none, so inductor's C++ compile fails
+    as Triton's does without a C compiler (a fresh inductor cache: no kernel compiled before). Seen failing before:
+    InductorError (InvalidCxxCompiler) in a traceback at the first forward."""
+    out = tmp_path / "eager"
+    env = {"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR", "CXX": str(tmp_path / "no-compiler" / "g++"),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}  # fmt: skip
+    proc = run([sys.executable, "train.py", *TINY, "--optimizer", "muon", "--max_steps", "2", "--micro_batch_size",
+                "2", "--no_eval_at_start", "--data_dir", docs_data, "--output_dir", out], env=env)  # fmt: skip
+    note = next((line for line in proc.stdout.splitlines() if line.startswith("note: torch.compile")), "")
+    assert "does not work on this machine (InductorError: InvalidCxxCompiler" in note, proc.stdout[-3000:]
+    assert "runs eagerly" in note and proc.stdout.index(note) < proc.stdout.index("step 1/2")
+    assert sorted(train_records(out)) == [1, 2] and all(r["loss"] < 7 for r in train_records(out).values())
+
+
+def test_a_checkpoint_of_deepspeeds_own_adam_half_continues_under_torchs():
+    """DeepSpeed's Muon now runs its AdamW half with torch's AdamW ("torch_adam"); a checkpoint from before (DeepSpeed's
+    FusedAdam, or its inline update: an int step count per parameter) stopped torch's AdamW at its first step
+    ("API has changed, `state_steps` ..."). after_load turns the counts into tensors, and the AdamW half continues as
+    the inline update would have. Real: DeepSpeed's MuonWithAuxAdam with its inline update and with torch's AdamW, a
+    state dict saved and loaded. Not real: the ZeRO wrapper around it (a stand-in holding it as .optimizer); a real
+    resume of a checkpoint the code before this change wrote was run by hand (issue #60's report). Seen failing
+    without the conversion: that RuntimeError."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+
+    def optimizer(params, adam):
+        groups = [{"params": [params[0]], "use_muon": True, "lr": 0.02},
+                  {"params": [params[1]], "use_muon": False, "lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8}]
+        return MuonWithAuxAdam(groups, adam_optimizer=adam, adam_optimizer_kwargs={"foreach": None} if adam else None)
+
+    def step(opt, params, seed):
+        g = torch.Generator().manual_seed(seed)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+
+    torch.manual_seed(0)
+    old = [torch.nn.Parameter(torch.randn(8, 16)), torch.nn.Parameter(torch.randn(16))]
+    new = [torch.nn.Parameter(p.detach().clone()) for p in old]
+    with torch.compiler.set_stance("force_eager"):  # as a CPU run takes it (compile_newton_schulz)
+        inline, torchs = optimizer(old, None), optimizer(new, torch.optim.AdamW)
+        assert torchs.aux_optimizer is not None and inline.aux_optimizer is None
+        for seed in (1, 2):
+            step(inline, old, seed)
+        buffer = io.BytesIO()
+        torch.save(inline.state_dict(), buffer)  # as a checkpoint holds it
+        saved = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+        assert saved["state"][1]["step"] == 2  # an int
+        with torch.no_grad():
+            for p, q in zip(new, old):
+                p.copy_(q)
+        torchs.load_state_dict(saved)
+        optimizer_lib.after_load(SimpleNamespace(optimizer=SimpleNamespace(optimizer=torchs)))
+        step(torchs, new, 3)
+        step(inline, old, 3)
+    assert float(torchs.state[new[1]]["step"]) == 3
+    torch.testing.assert_close(new[1].detach(), old[1].detach(), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("preset,depth", [("tiny", 0), ("deepseek-v3-tiny", 1), ("deepseek-v3-tiny", 0)])
@@ -252,6 +317,7 @@ def test_zero2_llama_three_processes_train_like_one_and_resume_exactly(docs_data
                   config=config, env=NAN)  # fmt: skip
     assert_processes(proc, 3)
     assert "optimizer: Muon + AdamW" in proc.stdout and "  Muon: 14 tensors" in proc.stdout and SKIPPED in proc.stdout
+    assert AUX_TORCH_ADAMW.format(stage=2) in proc.stdout, proc.stdout[-3000:]
     assert_same(one, three, range(1, 9), rel=RUNS_TOLERANCE, steps_of_nan=[NAN_STEP])  # fp32 NS: 6e-8 (the sums' order)
     assert_same(three, resumed(three, tmp_path, config), range(5, 9), rel=0.0)
 
@@ -266,5 +332,6 @@ def test_zero3_deepseek_v3_three_processes_train_like_one_and_resume_exactly(doc
     assert SKIPPED in single.stdout and "on cpu, torch threads per process: 1" in single.stdout
     proc = launch(3, *args, "--micro_batch_size", "2", "--output_dir", three, env=NAN)
     assert "mtp.*.eh_proj.weight" in proc.stdout and "experts.gate_up_proj" in proc.stdout and SKIPPED in proc.stdout
+    assert AUX_TORCH_ADAMW.format(stage=3) in proc.stdout, proc.stdout[-3000:]
     assert_same(one, three, range(1, 9), rel=RUNS_TOLERANCE, steps_of_nan=[NAN_STEP])  # fp32 NS: 1.2e-7
     assert_same(three, resumed(three, tmp_path, "accelerate_configs/zero3_cpu.yaml"), range(5, 9), rel=0.0)

@@ -87,6 +87,33 @@ def test_memory_per_gpu_and_host_by_hand(mini):
     assert costs.host_bytes(off, gpu_launch(3, "cpu"), base) == pytest.approx(3 * base + 16 * p + 2 * p)
 
 
+def test_bf16_under_zero_sums_gradients_in_fp32_and_the_plan_counts_it(mini, tmp_path, monkeypatch):
+    """Issue #60: bf16 under ZeRO-2/3 sums the micro-steps' gradients in fp32 (train.py sets DeepSpeed's
+    data_types.grad_accum_dtype), whichever config: YAML keys, a DeepSpeed JSON, or --mixed_precision bf16 at launch on
+    an fp16 YAML. ZeRO-3's partition grows from 2 to 4 bytes a parameter (in host RAM with the optimizer offloaded);
+    ZeRO-2 sums into the fp32 partition its step takes (4, not 16-bit 2 + the step's fp32 copy 4). A config that names
+    its own grad_accum_dtype keeps it; ZeRO-1 and fp16 keep DeepSpeed's default, the model's dtype."""
+    c, p = mini
+    monkeypatch.chdir(REPO)
+    yaml_bf16 = dataclasses.replace(distributed.read_launch("accelerate_configs/zero3_3gpu.yaml"), precision="bf16")
+    for launch, dtype in ((yaml_bf16, "fp32"), (gpu_launch(2, precision="bf16"), "fp32"),
+                          (gpu_launch(3), "fp16"), (gpu_launch(1, precision="bf16"), "bf16"),
+                          (gpu_launch(0, precision="bf16"), "fp32"), (gpu_launch(3, precision="fp32"), "fp32")):
+        assert launch.grad_accum_dtype == dtype, launch  # fmt: skip
+    js = tmp_path / "ds.json"
+    js.write_text('{"zero_optimization": {"stage": 3}, "data_types": {"grad_accum_dtype": "bfloat16"}}')
+    (tmp_path / "c.yaml").write_text(f"distributed_type: DEEPSPEED\nmixed_precision: bf16\nnum_processes: 3\n"
+                                     f"deepspeed_config:\n  deepspeed_config_file: {js}\n")  # fmt: skip
+    assert distributed.read_launch(str(tmp_path / "c.yaml")).grad_accum_dtype == "bf16"
+    mem = lambda launch: costs.memory_plan(c, launch, 1, 128, False, "sdpa")
+    for stage, fp16_b, bf16_b in ((3, 2, 4), (2, 6, 4)):
+        assert mem(gpu_launch(stage))["gpu"]["gradients"] == pytest.approx(fp16_b * p / 3), stage
+        assert mem(gpu_launch(stage, precision="bf16"))["gpu"]["gradients"] == pytest.approx(bf16_b * p / 3), stage
+    off16, off_bf16 = mem(gpu_launch(3, "cpu")), mem(gpu_launch(3, "cpu", precision="bf16"))
+    assert off_bf16["gpu"]["gradients"] == off16["gpu"]["gradients"]
+    assert off_bf16["host_per_process"] == pytest.approx(off16["host_per_process"] + 2 * p / 3)
+
+
 def compare_7b(capsys, host_gib: float, **flags) -> tuple[str, str]:
     cfg = train.Config(plan=True, compare=True, data_dir="none", model_config="deepseek-7b", seq_len=2048,
                        micro_batch_size=1, gradient_checkpointing=True, host_memory_gib=host_gib, **flags)  # fmt: skip

@@ -246,3 +246,95 @@ def test_a_startup_that_waits_on_a_build_lock_names_it(tmp_path):
     proc = run([sys.executable, "-c", code], check=False, env={"TORCH_EXTENSIONS_DIR": str(ext)}, timeout=120)
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert f"torch's build lock {ext / 'cpu_adam' / 'lock'} exists" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """An Accelerator of its own precision in this process, and none left behind for the next test."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def test_gradscaler_skip_with_fused_adamw_is_counted(fresh_accelerate_state):
+    """The GPU path of ddp_3gpu.yaml (fp16 without DeepSpeed) in one process on any CPU: Accelerate's GradScaler with
+    the project's fused AdamW, which skips an overflowed step inside its kernel, so Accelerate's
+    `optimizer_step_was_skipped` stays False. Skips reads the skip from the scale (halved on every overflow): counted,
+    weights unchanged, and a scale below 1 stops the run. Real: torch's GradScaler (made on the CPU, where Accelerate
+    makes the CUDA one on a GPU), the fused AdamW of recipe/optimizer.py, Accelerate's prepare, backward, clipping and
+    optimizer wrapper. Not real: the GPU, and a stand-in for train.py's Parts. Seen failing without the scale check:
+    step 2 was not counted."""
+    from types import SimpleNamespace
+
+    from accelerate import Accelerator
+
+    import train
+    from deepseek_zero3.recipe import optimizer as optimizer_lib
+    from deepseek_zero3.run_dir import resilience
+
+    accelerator = Accelerator(cpu=True, mixed_precision="fp16")
+    assert accelerator.scaler is None  # Accelerate 1.15 makes none on a CPU: given here as on a GPU
+    accelerator.native_amp, accelerator.scaler = True, torch.amp.GradScaler("cpu")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    optimizer = optimizer_lib.make(model, train.Config(optimizer="adamw"))
+    assert optimizer.defaults["fused"] and optimizer._step_supports_amp_scaling
+    model, optimizer = accelerator.prepare(model, optimizer)
+    skips = resilience.Skips(SimpleNamespace(engine=None, accelerator=accelerator), None, 3, "fp16")
+    x = torch.randn(4, 8)
+
+    def step(number: int, nan: bool) -> bool:
+        loss = model(x).float().pow(2).mean() * (float("nan") if nan else 1.0)
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        return skips.after_step(number, False)
+
+    assert not step(1, nan=False)
+    before = [p.detach().clone() for p in model.parameters()]
+    assert step(2, nan=True) and skips.total == 1 and accelerator.scaler.get_scale() == 2.0**15
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # the kernel skipped it
+    assert not step(3, nan=False) and skips.total == 1
+    with pytest.raises(resilience.Diverged, match=r"step 19: the fp16 loss scale fell below 1 \(0.5\) after 16"):
+        for number in range(4, 30):  # 2^15 halved 16 times
+            step(number, nan=True)
+
+
+def test_fp16_without_deepspeed_skips_holds_the_schedule_and_stops(docs_data, tmp_path):
+    """DDP in fp16 (ddp_3gpu.yaml's strategy) on 2 CPU processes where oneDNN has fp16: distributed.cpu_fp16_autocast
+    gives Accelerate the fp16 autocast and GradScaler it makes on GPUs. Rank 0's loss is NaN at step 3 and from step
+    6 on: step 3 is counted as skipped, its loss is not logged, the LR stays where step 2 left it (step 4 trains at
+    step 3's LR), and the weights do not move; from step 6 the scale halves every step and the run stops at step 21,
+    where it falls below 1, with one error line (exit 3). Before, no step was counted and the schedule ran on."""
+    from conftest import free_port
+    from safetensors.torch import load_file
+    from test_precision import UNITS
+
+    if not UNITS["fp16"][0]:
+        pytest.skip(UNITS["fp16"][1].split(":")[0])
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    out = tmp_path / "ddp_fp16"
+    args = [*TINY, "--max_steps", "30", "--micro_batch_size", "2", "--save_every", "1", "--keep_last", "30",
+            "--no_eval_at_start", "--data_dir", docs_data, "--output_dir", out]  # fmt: skip
+    env = {"ACCELERATE_USE_CPU": "1", "ACCELERATE_MIXED_PRECISION": "fp16",
+           "TRAIN_TEST_FAULT": "nan_loss:0:3,nan_loss:0:6-30"}  # fmt: skip
+    proc = run([torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), "train.py", *args], check=False,
+               env=env)  # fmt: skip
+    assert_processes(proc, 2)
+    assert "MULTI_CPU, fp16" in proc.stdout and proc.returncode != 0, proc.stdout[-3000:]
+    assert "step 3: skipped (fp16 overflow, loss scale now 32768); 1 in all" in proc.stdout, proc.stdout[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "step 21: the fp16 loss scale fell below 1 (0.5)" in errors[0], proc.stderr[-3000:]
+    records = train_records(out)
+    assert max(records) == 20 and records[3]["loss"] is None and records[4]["loss"] is not None
+    assert records[4]["lr"] == records[3]["lr"] != records[2]["lr"]
+    assert [records[s]["skipped_steps"] for s in (2, 3, 5, 6, 20)] == [0, 1, 1, 2, 16]
+    assert records[20]["loss_scale"] == 1 and all(records[s]["lr"] == records[6]["lr"] for s in range(6, 21))
+    weights = {s: load_file(out / "checkpoints" / f"step_{s}" / "model.safetensors") for s in (2, 3, 5, 20)}
+    for a, b, same in ((2, 3, True), (3, 5, False), (5, 20, True)):
+        assert all(torch.equal(weights[a][k], weights[b][k]) for k in weights[a]) is same, (a, b)

@@ -166,31 +166,48 @@ def make_windows(
 class ChunkedLinearNLL(torch.autograd.Function):
     """Summed NLL of `targets` (-100: not scored) under softmax(hidden @ weight.T), `chunk_tokens` rows at a time.
 
-    A chunk's logits are computed in the weight's dtype, as the output layer computes them, and the softmax in fp32.
+    A chunk's logits are computed in the compute dtype, as the output layer computes them, and the softmax in fp32.
     Forward keeps each row's log-sum-exp and the last chunk's softmax; backward takes that chunk first and recomputes
     the logits of the others, so the [tokens, vocabulary] logits, their fp32 copy and their gradient never exist whole.
     Keeping the last chunk costs no peak memory (backward starts with this loss, where recomputing it would allocate
     the same buffer) and saves its recomputation, one of the chunk's four matmuls with the output weight: all the
     recomputation when the micro-batch is one chunk. The weight's gradient is accumulated in fp32.
+
+    The compute dtype: the weight's, or under autocast (DDP or one process in bf16/fp16: Accelerate wraps the model's
+    forward in it) autocast's, for the inputs and for all five matmuls, backward's included. That is what
+    torch.amp.custom_fwd(cast_inputs=<autocast dtype>) and custom_bwd do, with the device type and dtype read from the
+    call rather than fixed where the class is defined, and the gradients handed back in the inputs' own dtypes (the
+    weight's fp32 sum not rounded to 16 bits on the way). Without it the forward's matmul ran in bf16 under autocast
+    while backward, which autocast does not reach, recomputed the logits in fp32 against a log-sum-exp of the bf16
+    ones (a softmax that does not sum to 1) and ran its three matmuls in fp32: slower on tensor cores and further from
+    the plain cross-entropy's gradient. Under ZeRO-3 DeepSpeed casts the model itself and autocast is off: the
+    weight's dtype.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_tokens: int):
+    def forward(ctx, hidden, weight, targets, chunk_tokens: int, weight_cast=None):
+        """weight_cast: the weight already in the compute dtype (model_nll makes one for the main loss and every MTP
+        depth, as autocast's cache would), or None."""
+        device = hidden.device.type
+        ctx.grad_dtypes = (hidden.dtype, weight.dtype)
+        weight = weight_cast if weight_cast is not None else weight.to(compute_dtype(device, weight.dtype))
+        hidden = hidden.to(weight.dtype)
         lse = torch.empty(len(hidden), dtype=torch.float32, device=hidden.device)
         total = torch.zeros((), dtype=torch.float64, device=hidden.device)
         starts = range(0, len(hidden), chunk_tokens)
-        for start in starts:
-            rows = slice(start, start + chunk_tokens)
-            t = targets[rows]
-            logits = (hidden[rows] @ weight.T).float()
-            picked = logits.gather(1, t.clamp(min=0)[:, None])[:, 0]
-            top = logits.amax(dim=-1)  # log-sum-exp in place: one chunk-sized buffer, not two
-            sums = logits.sub_(top[:, None]).exp_().sum(dim=-1)
-            lse[rows] = sums.log().add_(top)
-            total += torch.where(t != -100, lse[rows] - picked, 0.0).sum(dtype=torch.float64)
-            if start == starts[-1] and any(ctx.needs_input_grad[:2]):
-                ctx.last_softmax = logits.div_(sums[:, None])  # exp(logits - top) / sum: the softmax, in place
-            del logits, picked, top  # before the next chunk's, or two chunks' logits are held at once
+        with torch.autocast(device, enabled=False):
+            for start in starts:
+                rows = slice(start, start + chunk_tokens)
+                t = targets[rows]
+                logits = (hidden[rows] @ weight.T).float()
+                picked = logits.gather(1, t.clamp(min=0)[:, None])[:, 0]
+                top = logits.amax(dim=-1)  # log-sum-exp in place: one chunk-sized buffer, not two
+                sums = logits.sub_(top[:, None]).exp_().sum(dim=-1)
+                lse[rows] = sums.log().add_(top)
+                total += torch.where(t != -100, lse[rows] - picked, 0.0).sum(dtype=torch.float64)
+                if start == starts[-1] and any(ctx.needs_input_grad[:2]):
+                    ctx.last_softmax = logits.div_(sums[:, None])  # exp(logits - top) / sum: the softmax, in place
+                del logits, picked, top  # before the next chunk's, or two chunks' logits are held at once
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.chunk_tokens = chunk_tokens
         return total
@@ -200,44 +217,44 @@ class ChunkedLinearNLL(torch.autograd.Function):
         hidden, weight, targets, lse = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for start in reversed(range(0, len(hidden), ctx.chunk_tokens)):  # the kept last chunk first, then freed
-            rows = slice(start, start + ctx.chunk_tokens)
-            t = targets[rows]
-            # d NLL / d logits = softmax - one_hot(target), for scored rows only
-            grad, ctx.last_softmax = getattr(ctx, "last_softmax", None), None  # a second backward recomputes it
-            if grad is None:
-                grad = (hidden[rows] @ weight.T).float().sub_(lse[rows, None]).exp_()
-            grad[torch.arange(len(t), device=t.device), t.clamp(min=0)] -= 1.0
-            grad.mul_(torch.where(t != -100, grad_total.float(), 0.0)[:, None])
-            grad = grad.to(hidden.dtype)
-            if grad_hidden is not None:
-                grad_hidden[rows] = grad @ weight
-            if ctx.needs_input_grad[1] and grad.dtype == torch.float32:
-                grad_weight.addmm_(grad.T, hidden[rows])
-            elif ctx.needs_input_grad[1]:
-                grad_weight += (grad.T @ hidden[rows]).float()
-            del grad  # before the next chunk's
-        return grad_hidden, grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None, None, None
+        with torch.autocast(hidden.device.type, enabled=False):  # a backward called inside autocast: still ours
+            for start in reversed(range(0, len(hidden), ctx.chunk_tokens)):  # the kept last chunk first, then freed
+                rows = slice(start, start + ctx.chunk_tokens)
+                t = targets[rows]
+                # d NLL / d logits = softmax - one_hot(target), for scored rows only
+                grad, ctx.last_softmax = getattr(ctx, "last_softmax", None), None  # a second backward recomputes it
+                if grad is None:
+                    grad = (hidden[rows] @ weight.T).float().sub_(lse[rows, None]).exp_()
+                grad[torch.arange(len(t), device=t.device), t.clamp(min=0)] -= 1.0
+                grad.mul_(torch.where(t != -100, grad_total.float(), 0.0)[:, None])
+                grad = grad.to(hidden.dtype)
+                if grad_hidden is not None:
+                    grad_hidden[rows] = grad @ weight
+                if ctx.needs_input_grad[1] and grad.dtype == torch.float32:
+                    grad_weight.addmm_(grad.T, hidden[rows])
+                elif ctx.needs_input_grad[1]:
+                    grad_weight += (grad.T @ hidden[rows]).float()
+                del grad  # before the next chunk's
+        hidden_dtype, weight_dtype = ctx.grad_dtypes
+        return (
+            grad_hidden.to(hidden_dtype) if grad_hidden is not None else None,
+            grad_weight.to(weight_dtype) if ctx.needs_input_grad[1] else None,
+            None,
+            None,
+            None,
+        )
 
 
-def loss_path(chunk_tokens: int, device: torch.device) -> str:
+def compute_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a matmul on device_type runs in: autocast's where it is on, else `dtype` (the weight's)."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else dtype
+
+
+def loss_path(chunk_tokens: int) -> str:
     """The loss path model_nll takes, in words, for the startup line."""
     if chunk_tokens == 0:
         return "full logits (--loss_chunk_tokens 0)"
-    if _liger_loss(device) is not None:
-        return "Liger Kernel's fused linear cross-entropy"
     return f"output layer + cross-entropy in chunks of {chunk_tokens} tokens, all but the last recomputed in backward"
-
-
-def _liger_loss(device: torch.device):
-    """Liger Kernel's fused linear cross-entropy (summed), on a GPU where liger-kernel is installed; else None."""
-    if device.type != "cuda":
-        return None
-    try:
-        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-    except ImportError:
-        return None
-    return LigerFusedLinearCrossEntropyLoss(ignore_index=-100, reduction="sum")
 
 
 def model_nll(
@@ -253,7 +270,7 @@ def model_nll(
 
     With chunk_tokens > 0 the model runs its own forward (ZeRO-3's hooks gather the output weight once, as for its
     logits, and once again in backward), but its output layer, while called, returns the summed NLL of its hidden
-    states taken chunk by chunk (ChunkedLinearNLL; Liger's fused kernel on a GPU where installed) instead of logits.
+    states taken chunk by chunk (ChunkedLinearNLL) instead of logits.
     That is the loss only if the model returns what its output layer returned as its logits, unchanged: checked on a
     model's first call (ZeRO-3 hands back a copy, so by value). A model that caps, scales or reshapes its logits, or
     whose output layer has a bias, is named once and takes the full logits path.
@@ -267,18 +284,19 @@ def model_nll(
     core = extract_model_from_parallel(model)
     head = core.get_output_embeddings() if chunk_tokens or mtp_depths else None
     if isinstance(head, torch.nn.Linear) and head.bias is None and _plain.get(core, True):
-        flat_targets, liger = targets.reshape(-1), _liger_loss(inputs.device)
+        flat_targets = targets.reshape(-1)
 
-        def nll(hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        def nll(hidden: torch.Tensor, targets: torch.Tensor, weight_cast=None) -> torch.Tensor:
             hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-            if liger is not None:
-                return liger(head.weight, hidden, targets).double()
-            return ChunkedLinearNLL.apply(hidden, head.weight, targets, chunk_tokens or len(hidden))
+            return ChunkedLinearNLL.apply(hidden, head.weight, targets, chunk_tokens or len(hidden), weight_cast)
 
         def loss_forward(hidden: torch.Tensor) -> torch.Tensor:
             if not mtp_depths:
                 return nll(hidden, flat_targets)
-            return torch.stack([nll(hidden, flat_targets), *mtp.run_depths(core, capture, hidden, mtp_depths, nll)])
+            dtype = compute_dtype(hidden.device.type, head.weight.dtype)
+            cast = head.weight.detach().to(dtype)  # under autocast one 16-bit copy for every depth, not one each
+            depths = mtp.run_depths(core, capture, hidden, mtp_depths, lambda h, t: nll(h, t, cast))
+            return torch.stack([nll(hidden, flat_targets, cast), *depths])
 
         returned = []
         head.forward = loss_forward

@@ -116,6 +116,11 @@ def memory_plan(c, launch: Launch, micro_batch_size: int, seq_len: int, gradient
               (8P/n); the step's denominator 4P/n (DeepSpeed's estimate: 2P + 18P/n)
       ZeRO-3  16-bit parameters 2P/n, gradients 2P/n, master weights and Adam 12P/n (fp32: 4, 4, 8), the largest tensor
               gathered whole, the step's denominator 4P/n
+    Gradients summed in fp32 over the micro-steps (launch.grad_accum_dtype: bf16 under ZeRO-2/3, train.py sets it):
+    ZeRO-3's partition is 4P/n, in host RAM when the optimizer is offloaded (DeepSpeed keeps it where the optimizer
+    is); ZeRO-2 sums into one fp32 partition, 4P/n, which the step takes as it is (in 16 bits it copies the partition
+    into fp32 for the step: 6P/n). Counted on a CPU engine of the `small` preset, 1 process, accumulation 2: ZeRO-3's
+    partition 2 -> 4 bytes/parameter, ZeRO-2's held partition 2 -> 4 (the 4 of the step's copy gone).
     Offloaded optimizer: master weights, Adam states and fp32 gradients ((12 + 4)P/n) in host RAM; on NVMe the states
     (12P/n) on the SSD, the fp32 gradients and 4 pinned swap buffers of a sub-group in RAM. Offloaded parameters: their
     2P/n in host RAM.
@@ -147,9 +152,14 @@ def memory_plan(c, launch: Launch, micro_batch_size: int, seq_len: int, gradient
         }
     else:
         shard = 1 if stage == 3 else n  # ZeRO-2 keeps every parameter whole on every GPU
+        sum_b = 4 if launch.grad_accum_dtype == "fp32" else grad_b
+        if stage == 3:
+            grads = (grad_b if offload_opt else sum_b) * p / n  # offloaded: the partition is in host RAM (below)
+        else:
+            grads = (sum_b if sum_b == 4 else grad_b + 4) * p / n
         states = {
             "parameters": 0 if launch.offload_params else param_b * p * shard / n,
-            "gradients": (grad_b + (4 if half and stage == 2 else 0)) * p / n,
+            "gradients": grads,
             "optimizer_states": 0 if offload_opt else (optim_b * p - 4 * muon) / n,
             "optimizer_step_temporaries": 0 if offload_opt else 4 * p / n,
             "gathered_largest_tensor": param_b * counts["largest_tensor"] if stage == 3 else 0,
@@ -161,8 +171,10 @@ def memory_plan(c, launch: Launch, micro_batch_size: int, seq_len: int, gradient
     }
     # ZeRO-Infinity pins buffer_count (4) fp32 buffers of its largest sub-group (sub_group_size, 1e9, or the shard).
     swap_buffers = 4 * min(NVME_SUB_GROUP, p / n) * 4
+    summed_on_host = stage == 3 and offload_opt and launch.grad_accum_dtype == "fp32" and half
     host = (
-        (optim_b + 4) * p / n * (launch.offload_optimizer == "cpu")
+        2 * p / n * summed_on_host  # ZeRO-3's partition in fp32, not 16 bits, where DeepSpeed keeps it
+        + (optim_b + 4) * p / n * (launch.offload_optimizer == "cpu")
         + (4 * p / n + swap_buffers) * (launch.offload_optimizer == "nvme")
         + param_b * p / n * launch.offload_params
     )

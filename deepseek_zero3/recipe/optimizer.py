@@ -12,8 +12,9 @@
 
 Both are kept implementations, not ours: under DeepSpeed (ZeRO-1/2/3) its own Muon (optimizer type "Muon", the update
 computed on whole gradients, each rank a round-robin share of the matrices, the momentum partitioned like Adam's
-state); without DeepSpeed (DDP, one plain process) DeepSpeed's single-device class of the same update, which takes
-the 3-D expert tensors that torch.optim.Muon (2-D only) refuses. Muon with the optimizer offloaded is refused.
+state; its AdamW half torch's AdamW, so nothing is built on first use); without DeepSpeed (DDP, one plain process)
+DeepSpeed's single-device class of the same update, which takes the 3-D expert tensors that torch.optim.Muon (2-D
+only) refuses. Muon with the optimizer offloaded is refused.
 
 Muon runs without gradient clipping (resolve), as the speedrun's records do. Under DeepSpeed the grad_norm a
 run logs is the norm DeepSpeed takes: of Muon's orthogonalised updates and AdamW's gradients; without it, of the
@@ -139,15 +140,20 @@ def make(model, cfg, accelerator=None):
         optimizer = torch.optim.AdamW(param_groups, lr=cfg.lr, betas=betas, eps=cfg.adam_eps, fused=True)
         optimizer.register_load_state_dict_post_hook(lambda opt: [g.update(fused=True) for g in opt.param_groups])
         return optimizer
-    eager_on_cpu(accelerator.device.type if accelerator is not None else next(model.parameters()).device.type)
+    device = accelerator.device if accelerator is not None else next(model.parameters()).device
+    (accelerator.print if accelerator is not None else print)(compile_newton_schulz(device, accelerator))
     plugin = accelerator.state.deepspeed_plugin if accelerator is not None else None
     if plugin is not None:  # DeepSpeed builds its Muon from the config; Accelerate hands it these groups
         from accelerate.utils import DummyOptim
 
+        # torch_adam: the AdamW half is torch's AdamW. DeepSpeed's default, its FusedAdam, is built on first use
+        # (nvcc and ninja on a GPU, a C++ compiler on a CPU), and of the ways that build fails (no CUDA_HOME: OSError,
+        # no nvcc, no ninja, a failed compile: CalledProcessError, ImportError) DeepSpeed falls back on RuntimeError
+        # only: the rest ended the run in a traceback. On ZeRO's flat partitions torch's AdamW is a few kernels.
         plugin.deepspeed_config["optimizer"] = {
             "type": "Muon",
             "params": {"muon_lr": cfg.muon_lr, "adam_lr": cfg.lr, "momentum": cfg.muon_momentum, "betas": list(betas),
-                       "eps": cfg.adam_eps, "weight_decay": cfg.weight_decay},
+                       "eps": cfg.adam_eps, "weight_decay": cfg.weight_decay, "torch_adam": True},
         }  # fmt: skip
         zero = plugin.deepspeed_config.setdefault("zero_optimization", {})
         if zero.get("stage") == 3:  # its ZeRO-3 Muon refuses per-parameter reduce-scatter: one bucket-wide scatter
@@ -162,15 +168,61 @@ def make(model, cfg, accelerator=None):
     return SingleDeviceMuonWithAuxAdam([g for g in param_groups if g["params"]])
 
 
-def eager_on_cpu(device_type: str) -> None:
-    """DeepSpeed wraps Muon's Newton-Schulz in torch.compile. On a CPU, inductor compiles C++ for it at the first steps
-    of every process (a C++ compiler must be installed) and gains nothing: 3 ZeRO-3 processes of `mini`, 20 steps,
-    took 135 s compiled and 54 s eager (TORCHDYNAMO_DISABLE=1) on 2 AMD EPYC cores, at the same tokens/s after the
-    compile (4,185-4,347 against 4,275-4,355) and the same losses. A CPU run takes it eagerly; GPUs keep the compile.
-    The stance is the process's: a run that asks Accelerate to compile (`accelerate launch --dynamo_backend X`, which
-    sets ACCELERATE_DYNAMO_BACKEND) keeps every compile, this one included."""
-    if device_type == "cpu" and os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower() == "no":
+def compile_newton_schulz(device: torch.device, accelerator=None) -> str:
+    """How Muon's Newton-Schulz runs, set for this process and said in one startup line.
+
+    DeepSpeed wraps Muon's update in torch.compile. On a CPU inductor compiles C++ for it at the first steps of every
+    process (a C++ compiler must be installed) and gains nothing: 3 ZeRO-3 processes of `mini`, 20 steps, took 135 s
+    compiled and 54 s eager (TORCHDYNAMO_DISABLE=1) on 2 AMD EPYC cores, at the same tokens/s after the compile
+    (4,185-4,347 against 4,275-4,355) and the same losses. A CPU run takes it eagerly, unless it asked Accelerate to
+    compile (`accelerate launch --dynamo_backend X` sets ACCELERATE_DYNAMO_BACKEND).
+
+    Where it compiles (GPUs: Triton), one small update is compiled here first, on this device, so that a compiler that
+    cannot work on this machine (Triton's launcher without a C compiler, inductor's C++ without one, Triton missing
+    or broken: InductorError, BackendCompilerFailed, ImportError, OSError, CalledProcessError) is found before the
+    first step rather than ending the run there in a traceback. Then every process runs eagerly (the stance is the
+    process's: a model compile asked of Accelerate too), the line says why. A compile that fails later, for a shape
+    this one did not cover, falls back to eager for that call with torch's warning (suppress_errors)."""
+    if device.type == "cpu" and os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower() == "no":
         torch.compiler.set_stance("force_eager")
+        return "Muon's Newton-Schulz: eager (on a CPU compiling it gains nothing)"
+    import torch._dynamo as dynamo
+    from deepspeed.runtime.zero.muon.original_muon import muon_update
+
+    why = ""
+    try:
+        update = torch.randn(8, 16, device=device)
+        muon_update(update, torch.zeros_like(update))
+    except Exception as e:  # noqa: BLE001 - a compiler stack fails in many kinds, all of them to be named
+        first_line = (str(e).strip().splitlines() or [""])[0][:300]
+        why = f"{type(e).__name__}: {first_line}"
+    failed = torch.tensor([float(bool(why))], device=device)
+    if accelerator is not None and accelerator.num_processes > 1:  # every process the same way
+        failed = accelerator.reduce(failed, "sum")
+    if not failed.item():
+        dynamo.config.suppress_errors = True
+        return "Muon's Newton-Schulz: compiled (torch.compile); a later compile that fails runs that call eagerly"
+    torch.compiler.set_stance("force_eager")
+    return (
+        f"note: torch.compile does not work on this machine ({why or 'on another process'}): Muon's Newton-Schulz, "
+        f"and anything else this process would compile, runs eagerly (the same update, slower). To compile it, fix "
+        f"the compiler: a C compiler for Triton (CC), a C++ compiler for inductor on a CPU (CXX), triton installed"
+    )
+
+
+def after_load(engine) -> None:
+    """A checkpoint of DeepSpeed's Muon from before its AdamW half was torch's (DeepSpeed's FusedAdam, or its inline
+    update where FusedAdam failed to build) holds each AdamW parameter's step count as an int, where torch's AdamW
+    takes a tensor ("API has changed, `state_steps` argument must contain a list of singleton tensors" at the first
+    step): the same count, as a tensor. A no-op for any other optimizer, or without DeepSpeed (engine None)."""
+    base = getattr(getattr(engine, "optimizer", None), "optimizer", None)  # inside DeepSpeed's ZeRO wrapper
+    if not isinstance(getattr(base, "aux_optimizer", None), torch.optim.AdamW):
+        return
+    for group in base.param_groups:
+        for p in [] if group.get("use_muon") else group["params"]:
+            state = base.state.get(p, {})
+            if "step" in state and not torch.is_tensor(state["step"]):
+                state["step"] = torch.tensor(float(state["step"]))
 
 
 def set_lr(optimizer, lr: float, cfg) -> None:

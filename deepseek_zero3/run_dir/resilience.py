@@ -5,8 +5,8 @@ StopSignals  SIGTERM, SIGINT, SIGHUP or SIGQUIT (what torchrun passes on) asks t
 any_process  a stop asked on any process stops every process after the same step (one tiny all-reduce a step)
 lock_run_dir one run trains into an OUT at a time (an flock on OUT/.lock, released when its process dies)
 Skips        a step whose loss or gradient norm is not finite is skipped on every process (DeepSpeed skips it
-             itself, fp16 overflow or not; without DeepSpeed the loop does), counted, and more than
-             --max_skipped_steps in a row stop the run (backward: fp16 at its minimum loss scale stops it too)
+             itself, fp16 overflow or not; without DeepSpeed the loop does, or in fp16 torch's GradScaler), counted,
+             and more than --max_skipped_steps in a row stop the run (fp16: its minimum loss scale does)
 Watchdog     a phase (startup, step, validation, checkpoint) far past its limit: every process that can still run
              writes its Python stacks to OUT/hang-<time>-rank<R>.txt, one line names the phase and the ranks that
              answered (and a startup's torch build lock, if any), and the processes exit so that the launcher's
@@ -176,6 +176,10 @@ class Diverged(Exception):
     """Training cannot go on (exit 3); the message says why and how to continue from the last checkpoint."""
 
 
+FP16_ADVICE = ("--resume auto from the last checkpoint with a lower --lr (a resume may change it), or train in bf16 "
+               "(--mixed_precision bf16 at launch) in a new --output_dir (a checkpoint keeps its precision)")
+
+
 def backward(accelerator, loss: torch.Tensor, step: int) -> None:
     """accelerator.backward, with DeepSpeed's "loss scale already at minimum" (fp16 overflowing at scale 1, raised on
     every rank at once) turned into Diverged."""
@@ -185,25 +189,35 @@ def backward(accelerator, loss: torch.Tensor, step: int) -> None:
         if "loss scale already at minimum" not in str(e):
             raise
         raise Diverged(
-            f"step {step}: the fp16 loss scale is at its minimum and gradients still overflow; --resume auto from "
-            f"the last checkpoint with a lower --lr (a resume may change it), or train in bf16 (--mixed_precision "
-            f"bf16 at launch) in a new --output_dir (a checkpoint keeps its precision)"
+            f"step {step}: the fp16 loss scale is at its minimum and gradients still overflow; {FP16_ADVICE}"
         ) from None
 
 
 class Skips:
     """Optimizer steps skipped because a loss or gradient norm was not finite (fp16 overflow included). DeepSpeed
     decides on its own, the same on every process (ZeRO-3 skips any step whose global gradient norm is inf or NaN,
-    in every precision); without DeepSpeed the loop skips when the clipped norm is not finite and Accelerate's fp16
-    scaler reports its own skips. `total` counts the whole run (it is saved in trainer_state.json). In bf16/fp32,
-    more than `limit` in a row raise Diverged; fp16 goes on until DeepSpeed's loss scale reaches its minimum."""
+    in every precision); without DeepSpeed the loop skips when the clipped norm is not finite, and in fp16 torch's
+    GradScaler skips the step (Accelerate's, or distributed.cpu_fp16_autocast's on CPUs). `total` counts the whole run
+    (it is saved in trainer_state.json). In bf16/fp32, more than `limit` in a row raise Diverged; fp16 goes on until its
+    loss scale reaches the minimum: DeepSpeed's (1, raised in backward), or below 1 for GradScaler.
+
+    GradScaler's skip is read from its scale, which its update() (inside Accelerate's optimizer step) multiplies by
+    the backoff factor (0.5) exactly when it found an inf or NaN gradient, the same value on every process. Accelerate's
+    own signal, `optimizer_step_was_skipped`, is False for an optimizer that handles the scaler itself: torch's fused
+    AdamW (`_step_supports_amp_scaling`) is called on an overflow and skips inside its kernel."""
 
     def __init__(self, parts, resumed_state: dict | None, limit: int, precision: str):
         self.parts, self.limit, self.precision = parts, limit, precision  # parts: train.py's Parts
         self.engine_seen = parts.engine.skipped_steps if parts.engine is not None else 0
+        self.scale_seen = self._scaler_scale()  # a resumed run's: loaded with its checkpoint before this
         # A resumed run's count: its checkpoint's (one from before trainer_state.json counted them: DeepSpeed's).
         self.total = resumed_state.get("skipped_steps", self.engine_seen) if resumed_state is not None else 0
         self.in_a_row = 0
+
+    def _scaler_scale(self) -> float | None:
+        """GradScaler's scale (without DeepSpeed, in fp16), else None."""
+        scaler = self.parts.accelerator.scaler if self.parts.engine is None else None
+        return float(scaler.get_scale()) if scaler is not None else None
 
     def after_step(self, step: int, skipped_by_loop: bool) -> bool:
         """Whether `step` (just taken) was skipped; says so on the console."""
@@ -211,14 +225,21 @@ class Skips:
         if engine is not None:
             skipped, self.engine_seen = engine.skipped_steps > self.engine_seen, engine.skipped_steps
         else:
-            skipped = skipped_by_loop or bool(accelerator.optimizer_step_was_skipped)
+            scale = self._scaler_scale()
+            backed_off = scale is not None and scale < self.scale_seen
+            skipped, self.scale_seen = skipped_by_loop or backed_off, scale
         self.total += skipped
         self.in_a_row = self.in_a_row + 1 if skipped else 0
         if not skipped:
             return False
         if self.precision == "fp16":
             scale = metrics.fp16_loss_scale(engine, accelerator.scaler)
-            accelerator.print(f"step {step}: skipped (fp16 overflow, loss scale now {scale:.0f}); {self.total} in all")
+            accelerator.print(f"step {step}: skipped (fp16 overflow, loss scale now {scale:.10g}); {self.total} in all")
+            if engine is None and scale < 1:  # DeepSpeed's own minimum (1) raises in backward
+                raise Diverged(
+                    f"step {step}: the fp16 loss scale fell below 1 ({scale:.10g}) after {self.in_a_row} overflowing "
+                    f"steps in a row; {FP16_ADVICE}"
+                )
             return True
         accelerator.print(
             f"step {step}: skipped (the loss or gradient norm is not finite): weights and optimizer state unchanged; "
