@@ -37,6 +37,7 @@ from deepseek_zero3.model.lmloss import DEFAULT_CHUNK_TOKENS, document_positions
 from deepseek_zero3.model.lmloss import validation_losses
 from deepseek_zero3.planning import breakdown, plan
 from deepseek_zero3.recipe import optimizer as optimizer_lib
+from deepseek_zero3.recipe.ema import EMA
 from deepseek_zero3.recipe.schedule import Schedule, branch_settings, check_schedule_flags, parse_fractions, replan
 from deepseek_zero3.run_dir import card, checkpoint, metrics, reshard, resilience, trackers
 from deepseek_zero3.tokens import token_data
@@ -49,83 +50,107 @@ cli.quiet_console()
 # fmt: off
 @dataclasses.dataclass
 class Config:
+    """Every flag: its default, its --help text, and `resume=`, what `--resume` does with it. A resumed run takes the
+    checkpoint's value of every flag the command does not give; a flag the command gives is, by its policy:
+        fixed   (the default) it must equal the checkpoint's, or the resume is refused naming both: it changes what
+                the checkpoint's state means (the model, the batch, the optimizer's settings, the data order)
+        free    it may change: it changes what the run reports, or where it reads and writes, not what it trains
+        retune  it may change, and metrics.jsonl records the change (what the run's own advice after a divergence
+                or a hang says to lower or raise)
+        length  the LR schedule's length: a change needs --lr_decay_steps or --decay_branch (schedule.replan)
+        own     this command's alone, never taken from the checkpoint
+    A flag you add is `fixed` unless you say otherwise; a checkpoint from before it existed resumes with its default."""
+
     data_dir: str = field("data/python-docs", "directory written by prepare_data.py, or several (comma-separated, "
-                                              "the same tokenizer)")
+                                              "the same tokenizer)", resume="free")
     data_mix: str = field("", "each source's share of the samples, e.g. openwebtext=0.9,wikitext-103=0.1 (sources left "
-                              "out: 0; default: in proportion to their sizes)")
+                              "out: 0; default: in proportion to their sizes)", resume="free")
     document_masking: bool = field(True, "each packed document attends only to itself, positions restarting at 0 "
                                          "(--no_document_masking: across the whole window)")
     model_config: str = field("tiny", "preset in model_configs/ (deepseek-7b, deepseek-1.3b, small, mini, tiny), "
                                       "a config.json, or a model directory")
     init_from: str = field("", "Hugging Face model directory to start from (its weights); default: random init")
-    output_dir: str = field("runs/tiny", "metrics, checkpoints, final model and loss curve go here")
+    output_dir: str = field("runs/tiny", "metrics, checkpoints, final model and loss curve go here", resume="own")
     seq_len: int = field(256, "tokens per training sequence")
-    micro_batch_size: int = field(8, "sequences per process per forward/backward")
-    max_steps: int = field(0, "optimizer steps to train (0: use --num_epochs)")
-    num_epochs: float = field(1.0, "passes over the training split when --max_steps is 0")
-    lr: float = field(1e-3, "peak learning rate")
+    micro_batch_size: int = field(8, "sequences per process per forward/backward", resume="free")
+    max_steps: int = field(0, "optimizer steps to train (0: use --num_epochs)", resume="length")
+    num_epochs: float = field(1.0, "passes over the training split when --max_steps is 0", resume="length")
+    lr: float = field(1e-3, "peak learning rate", resume="retune")
     lr_schedule: str = field("cosine", "cosine, multistep (DeepSeek LLM's steps) or wsd (warmup-stable-decay)")
-    min_lr_ratio: float = field(0.1, "the floor of the cosine and WSD decays, as a fraction of --lr")
-    warmup_steps: int = field(30, "linear warmup, in optimizer steps")
+    min_lr_ratio: float = field(0.1, "the floor of the cosine and WSD decays, as a fraction of --lr", resume="retune")
+    warmup_steps: int = field(30, "linear warmup, in optimizer steps", resume="retune")
     lr_decay_steps: int = field(0, "length of the LR schedule in steps (0: the run's total steps); set it to "
-                                   "train a long schedule in shorter runs")
+                                   "train a long schedule in shorter runs", resume="length")
     multistep_at: str = field("0.8,0.9", "multistep: the LR is multiplied by --multistep_factor after these fractions "
                                          "of the schedule")
     multistep_factor: float = field(0.316, "multistep: the factor at each step down")
     decay_fraction: float = field(0.2, "wsd: the share of the schedule spent decaying to --min_lr_ratio")
     decay_shape: str = field("linear", "wsd and --decay_branch: linear, 1-sqrt or cosine")
     decay_branch: int = field(0, "decay the LR to its floor over this many steps from the checkpoint given to "
-                                 "--resume, then export: a finished model in a new --output_dir, the run left to go on")
+                                 "--resume, then export: a finished model in a new --output_dir, the run left to go on",
+                              resume="free")
     decay_start_step: int = field(0, "the step a decay branch starts at (set by --decay_branch; 0: none)")
     optimizer: str = field("auto", "adamw, muon (Muon for the hidden matrices, AdamW for embedding, head and norms), "
                                    "or auto: muon for the presets it won on in bench/muon.py (mini, small), else adamw")
-    muon_lr: float = field(0.02, "Muon's peak learning rate (the schedule scales it as it scales --lr)")
+    muon_lr: float = field(0.02, "Muon's peak learning rate (the schedule scales it as it scales --lr)",
+                           resume="retune")
     muon_momentum: float = field(0.95, "Muon's (Nesterov) momentum")
     muon_weight_decay: float = field(0.0, "Muon's decoupled weight decay")
     weight_decay: float = field(0.1, "AdamW weight decay (2-D weights only)")
     adam_beta1: float = field(0.9, "AdamW beta1")
     adam_beta2: float = field(0.95, "AdamW beta2")
     adam_eps: float = field(1e-8, "AdamW epsilon")
-    max_grad_norm: float = field(1.0, "clip the global gradient norm to this (0: no clipping; Muon: off)")
+    max_grad_norm: float = field(1.0, "clip the global gradient norm to this (0: no clipping; Muon: off)",
+                                 resume="retune")
     step_timeout_s: float = field(-1, "a step running longer than this is a hang: stacks to OUT/hang-*.txt, exit 3 "
-                                      "(-1: 20x the warm step time, at least 5 min; 0: off)")
+                                      "(-1: 20x the warm step time, at least 5 min; 0: off)", resume="retune")
     max_skipped_steps: int = field(3, "steps in a row skipped for a non-finite loss or gradient norm before the run "
-                                      "stops (bf16/fp32; fp16 stops at its minimum loss scale)")
+                                      "stops (bf16/fp32; fp16 stops at its minimum loss scale)", resume="retune")
     seed: int = field(0, "seeds the weights and the data order")
-    log_every: int = field(10, "optimizer steps between metric lines")
-    eval_every: int = field(100, "optimizer steps between validation runs (0: only at start and end)")
-    eval_tokens: int = field(1 << 20, "validation tokens of each source per evaluation (0: all of them)")
-    save_every: int = field(100, "optimizer steps between checkpoints (0: only at the end)")
-    keep_last: int = field(2, "complete checkpoints to keep")
-    resume: str = field("", "'auto' (newest complete checkpoint in OUT, if any) or a checkpoint directory")
+    log_every: int = field(10, "optimizer steps between metric lines", resume="free")
+    eval_every: int = field(100, "optimizer steps between validation runs (0: only at start and end)", resume="free")
+    eval_tokens: int = field(1 << 20, "validation tokens of each source per evaluation (0: all of them)", resume="free")
+    save_every: int = field(100, "optimizer steps between checkpoints (0: only at the end)", resume="free")
+    keep_last: int = field(2, "complete checkpoints to keep", resume="free")
+    resume: str = field("", "'auto' (newest complete checkpoint in OUT, if any) or a checkpoint directory",
+                        resume="own")
     plan: bool = field(False, "print the memory and time plan for this model, config and batch, then exit "
-                              "(no training, no GPU)")
+                              "(no training, no GPU)", resume="own")
     compare: bool = field(False, "with --plan: one row per strategy (DDP, ZeRO-2, ZeRO-3, offload, NVMe) and the "
-                                 "recommended config, micro-batch and accumulation")
+                                 "recommended config, micro-batch and accumulation", resume="free")
     accelerate_config: str = field("", "with --plan: the accelerate config YAML to plan for (default: the CPU config; "
-                                       "with --compare the 3-GPU ZeRO-3 config, for its processes and global batch)")
-    from_run: str = field("", "with --plan: a run's OUT: the plan it made beside what it measured, per component")
-    assumed_mfu: float = field(0.35, "model FLOPs utilisation the plan assumes on GPUs (CPU runs time their model)")
+                                       "with --compare the 3-GPU ZeRO-3 config, for its processes and global batch)",
+                                   resume="free")
+    from_run: str = field("", "with --plan: a run's OUT: the plan it made beside what it measured, per component",
+                          resume="own")
+    assumed_mfu: float = field(0.35, "model FLOPs utilisation the plan assumes on GPUs (CPU runs time their model)",
+                               resume="free")
     interconnect_gb_s: float = field(10.0, "with --plan: GPU-to-GPU all-reduce bandwidth, GB/s (PCIe 4.0 x16 without "
-                                           "P2P: ~10); a real run measures it")
-    pcie_gb_s: float = field(25.0, "with --plan: host-to-GPU bandwidth for offload, GB/s (PCIe 4.0 x16: ~25)")
-    nvme_gb_s: float = field(3.0, "with --plan: NVMe read/write bandwidth for ZeRO-Infinity, GB/s")
+                                           "P2P: ~10); a real run measures it", resume="free")
+    pcie_gb_s: float = field(25.0, "with --plan: host-to-GPU bandwidth for offload, GB/s (PCIe 4.0 x16: ~25)",
+                             resume="free")
+    nvme_gb_s: float = field(3.0, "with --plan: NVMe read/write bandwidth for ZeRO-Infinity, GB/s", resume="free")
     gpu_memory_gib: float = field(24.0, "with --plan: memory per GPU to plan for (RTX 4090: 24); a real run reads "
-                                        "the device")
-    host_memory_gib: float = field(0.0, "host RAM per machine to plan for (0: this machine's)")
+                                        "the device", resume="free")
+    host_memory_gib: float = field(0.0, "host RAM per machine to plan for (0: this machine's)", resume="free")
     gradient_accumulation_steps: int = field(0, "with --plan: accumulation to plan for (0: the accelerate config's); "
-                                                "a run takes it from the config or `accelerate launch` only")
+                                                "a run takes it from the config or `accelerate launch` only",
+                                             resume="free")
     profile_steps: int = field(0, "profile steps 2..N+1 of each process: where the time goes, by the plan's "
-                                  "components, in OUT/profile/ (train.py --plan --from_run OUT shows it)")
-    ignore_memory_plan: bool = field(False, "start even when the plan says the run does not fit the GPUs or RAM")
+                                  "components, in OUT/profile/ (train.py --plan --from_run OUT shows it)", resume="own")
+    ignore_memory_plan: bool = field(False, "start even when the plan says the run does not fit the GPUs or RAM",
+                                     resume="free")
     eval_at_start: bool = field(True, "validation loss of the initial weights at step 0 (--no_eval_at_start skips "
-                                      "it)")
-    log_with: str = field("", "trackers, comma-separated: wandb, trackio, tensorboard, mlflow (one run across resumes)")
+                                      "it)", resume="free")
+    log_with: str = field("", "trackers, comma-separated: wandb, trackio, tensorboard, mlflow (one run across resumes)",
+                          resume="free")
     push_to_hub: str = field("", "at the end, upload final/ (model, tokenizer, card) to this Hub repo, e.g. "
-                                 "user/deepseek-1b (created private; needs `hf auth login` or HF_TOKEN)")
-    loss_chunk_tokens: int = field(DEFAULT_CHUNK_TOKENS, "tokens per chunk of output layer + loss (0: all logits)")
-    gradient_checkpointing: bool = field(False, "recompute activations in backward (less memory, ~30%% more compute)")
-    attn_implementation: str = field("sdpa", "attention kernel: sdpa or eager")
+                                 "user/deepseek-1b (created private; needs `hf auth login` or HF_TOKEN)", resume="free")
+    loss_chunk_tokens: int = field(DEFAULT_CHUNK_TOKENS, "tokens per chunk of output layer + loss (0: all logits)",
+                                   resume="free")
+    gradient_checkpointing: bool = field(False, "recompute activations in backward (less memory, ~30%% more compute)",
+                                         resume="free")
+    attn_implementation: str = field("sdpa", "attention kernel: sdpa or eager", resume="free")
     moe_bias_update_speed: float = field(0.001, "MoE models (deepseek-v3-*): how far each router's per-expert bias "
                                                 "moves after every step toward balanced loads (DeepSeek-V3's gamma; "
                                                 "0: off)")
@@ -133,8 +158,11 @@ class Config:
                                               "alpha; 0: off)")
     mtp_depth: int = field(-1, "multi-token prediction modules, the k-th predicting the token k+1 ahead (DeepSeek-V3; "
                                "-1: 1 for deepseek-v3-* models, 0 for Llama ones; 0: off)")
+    ema_decay: float = field(0.0, "keep an exponential moving average of the weights, ema = decay x ema + (1 - decay) "
+                                  "x weights after every step (e.g. 0.999; 0: none), exported as OUT/final_ema",
+                              resume="retune")
     mtp_loss_weight: float = field(0.3, "weight of the MTP loss, lambda (DeepSeek-V3: 0.3, then 0.1 for the last "
-                                        "third of its tokens)")
+                                        "third of its tokens)", resume="retune")
 # fmt: on
 
 
@@ -173,13 +201,57 @@ def get_batch(data: token_data.TrainingData, ids: range, cfg: Config) -> tuple[t
     return inputs, batch[:, 1:], positions
 
 
-def lm_loss(model, batch: tuple[torch.Tensor, ...], cfg: Config, mtp_scale: torch.Tensor | None = None):
-    """The mean next-token loss; with MTP modules a vector: that loss, then each depth's (mtp.py), the mean over its
-    scored targets or, in training, its summed NLL x mtp_scale (mtp.step_scale: the global batch's mean, shared out)."""
+def next_token_losses(model, batch: tuple[torch.Tensor, ...], cfg: Config, mtp_scale=None) -> torch.Tensor:
+    """The model's mean next-token NLL; with MTP modules a vector: that loss, then each depth's (mtp.py), the mean over
+    its scored targets or, in training, its summed NLL x mtp_scale (mtp.step_scale: the global batch's mean, shared
+    out)."""
     inputs, targets, positions = batch
     depths = mtp.depth_targets(inputs, targets, positions, cfg.mtp_depth) if cfg.mtp_depth else None
     nll, n = model_nll(model, inputs, targets, cfg.loss_chunk_tokens, positions, depths)  # never all logits at once
     return (nll / n if mtp_scale is None else torch.cat([nll[:1] / n[:1], nll[1:] * mtp_scale])).float()
+
+
+def lm_loss(model, batch: tuple[torch.Tensor, ...], cfg: Config, mtp_scale=None, balancer=None):
+    """The loss of one micro-batch, put together in this one place: (what the step backpropagates, {name: term} of
+    what it logs). `loss` is the model's own mean next-token NLL: what the console, metrics.jsonl and the trackers call
+    loss, and what validation measures. DeepSeek-V3's MTP depths add mtp_loss_weight / D x their losses (logged as
+    `mtp_loss_k`), a MoE model its balance loss (`moe_aux_loss`). A term you add here is backpropagated; put it in
+    `logged` too and every log line has its mean over the interval under that name. A z-loss, say (PaLM's, 1e-4 x the
+    squared log-normaliser): nll, n, z = model_nll(..., z_loss=True) gives its sum over the scored tokens, z / n the
+    mean."""
+    losses = next_token_losses(model, batch, cfg, mtp_scale).reshape(-1)
+    objective = mtp.objective(losses, cfg.mtp_loss_weight)  # the loss itself without MTP modules
+    logged = {"loss": losses[0], **{f"mtp_loss_{k}": losses[k] for k in range(1, len(losses))}}
+    aux = balancer.aux_loss() if balancer is not None else None
+    if aux is not None:
+        objective, logged["moe_aux_loss"] = objective + aux, aux
+    return objective, {name: term.detach() for name, term in logged.items()}
+
+
+def backward(parts, loss: torch.Tensor, step: int) -> None:
+    """The gradients of one micro-batch's loss, summed over the step's micro-batches (and, at the last, over the
+    processes). Under every strategy the weights stay as they are: DeepSpeed's engine is told whether this is the
+    step's last micro-batch and runs its backward only (its step is update's); without DeepSpeed Accelerate divides by
+    the accumulation and, in fp16, scales by the GradScaler."""
+    resilience.backward(parts.accelerator, parts.engine, loss, step)
+
+
+def update(parts, cfg: Config, step: int) -> tuple[torch.Tensor | float | None, bool]:
+    """The step's weight update, the one place it happens under every strategy: clip the gradients to --max_grad_norm,
+    step the optimizer, zero the gradients. A step whose gradients are not finite is skipped (weights and optimizer
+    state unchanged). Returns (gradient norm, skipped). Under DeepSpeed (ZeRO-1/2/3, offload) its engine does all of it
+    and decides the skip (`gradient_clipping` in its config is --max_grad_norm: build_model); fp16's GradScaler skips an
+    overflowing step by itself."""
+    accelerator = parts.accelerator
+    if parts.engine is not None:
+        resilience.engine_step(parts.engine, step)
+        return parts.engine.get_global_grad_norm(), parts.skips.after_step(step, False)
+    grad_norm = accelerator.clip_grad_norm_(parts.model.parameters(), cfg.max_grad_norm or float("inf"))
+    skip = accelerator.scaler is None and not torch.isfinite(grad_norm)
+    if not skip:
+        parts.optimizer.step()
+    parts.optimizer.zero_grad()
+    return grad_norm, parts.skips.after_step(step, skip)
 
 
 def mtp_scale(run, step: int) -> torch.Tensor:
@@ -359,6 +431,7 @@ class Parts:
     planned: plan.RunPlan  # what MFU is measured against, among others
     finaliser: bool  # this process finalises checkpoints on its filesystem
     watchdog: resilience.Watchdog
+    ema: EMA | None = None  # --ema_decay
     skips: resilience.Skips | None = None
     trackers: trackers.Trackers | None = None  # started by metrics.start_outputs; they log on the main process
 
@@ -406,8 +479,17 @@ def build_model(run: Run, accelerator):
     balancer = None
     if moe.routers(accelerator.unwrap_model(model)):
         balancer = moe.LoadBalancer(accelerator.unwrap_model(model), cfg.moe_bias_update_speed, cfg.moe_aux_loss_alpha)
-        accelerator.register_for_checkpointing(balancer)  # the routers' biases resume exactly
     return model, optimizer, balancer, n_params
+
+
+def checkpoint_state(parts: Parts) -> dict:
+    """What a checkpoint holds besides the model, the optimizer, the random states and the data position (DeepSpeed's
+    and Accelerate's files, trainer_state.json): name -> an object with state_dict() and load_state_dict(). Add a piece
+    of state here and every checkpoint saves it and every resume restores it. One that each process holds its own share
+    of says `sharded = True` (saved per process; on another number of processes its reshard() cuts it again, or the
+    resume is refused naming it); any other must be the same on every process (checked when saved). See
+    run_dir/state.py. None: not in this run."""
+    return {"moe_balancer": parts.balancer, "ema": parts.ema}
 
 
 def setup(cfg: Config, given: set[str]) -> tuple[Run, Parts]:
@@ -447,8 +529,10 @@ def setup(cfg: Config, given: set[str]) -> tuple[Run, Parts]:
         f"({planned.peak_source}); loss: {loss_path(cfg.loss_chunk_tokens)}"
     )
     parts = Parts(accelerator, model, optimizer, balancer, planned, finaliser, watchdog)
+    if cfg.ema_decay:
+        parts.ema = EMA(model, cfg.ema_decay)  # from the weights as built; a resume loads the checkpoint's
     if run.resume is not None:
-        checkpoint.load_checkpoint(run, parts, universal)
+        checkpoint.load_checkpoint(run, parts, checkpoint_state(parts), universal)
         reshard.after_load(model, universal, run.launch.zero_stage)
         optimizer_lib.after_load(parts.engine)  # a Muon checkpoint of DeepSpeed's FusedAdam: torch's AdamW's steps
     resumed = run.resume.state if run.resume else None
@@ -501,43 +585,30 @@ def train(cfg: Config, given: set[str]) -> int:
     profiler = breakdown.Profiler(cfg.profile_steps, out, rank, step)
     watchdog.beat(step)
     while step < run.total_steps:
-        # One optimizer step over `accum` micro-batches. A MoE model's balance loss is added to what is
-        # backpropagated (not to the loss logged), and its routers' biases move once the step is taken. A skipped
-        # step (non-finite loss or gradient norm) leaves weights, optimizer state and the LR schedule where they were.
+        # One optimizer step: the gradients of `accum` micro-batches, then the update. A skipped step (a non-finite loss
+        # or gradient norm, an fp16 overflow) leaves weights, optimizer state and the LR schedule where they were.
         lr = run.schedule.lr(step - skips.total)
         optimizer_lib.set_lr(optimizer, lr, cfg)
-        loss_sum, grad_norm = torch.zeros(1 + cfg.mtp_depth, device=accelerator.device), None
         scale = mtp_scale(run, step).to(accelerator.device) if cfg.mtp_depth else None
+        logged = {}
         for micro_step in range(accum):
             batch = get_batch(run.data, sample_ids(step, micro_step, rank, run.batch), cfg)
             batch = tuple(t.to(accelerator.device) if t is not None else None for t in batch)
-            with accelerator.accumulate(model):
+            with accelerator.accumulate(model):  # the last micro-step syncs the gradients
                 with balancer.collecting() if balancer else contextlib.nullcontext():
-                    losses = lm_loss(model, batch, cfg, scale)  # the main loss, then each MTP depth's
-                if cli.fault("nan_loss", rank, step + 1):
-                    losses = losses * float("nan")
-                loss = mtp.objective(losses.reshape(-1), cfg.mtp_loss_weight)
-                aux_loss = balancer.aux_loss() if balancer else None
-                resilience.backward(accelerator, loss if aux_loss is None else loss + aux_loss, step + 1)
-                skip = False
-                if accelerator.sync_gradients:
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
-                    skip = parts.engine is None and accelerator.scaler is None and not torch.isfinite(grad_norm)
-                if not skip:  # (DeepSpeed and Accelerate's fp16 scaler skip a non-finite step themselves)
-                    optimizer.step()
-                optimizer.zero_grad()
-            loss_sum += losses.detach()
+                    loss, terms = lm_loss(model, batch, cfg, scale, balancer)
+                backward(parts, loss, step + 1)  # gradients only: no strategy changes the weights here
+            logged = {name: logged.get(name, 0) + term / accum for name, term in terms.items()}
+        grad_norm, skipped = update(parts, cfg, step + 1)  # <- the weights change here, under every strategy
+        # From here on the weights are the updated ones, whole or ZeRO-3 partitions (model/weights.py reads either).
         if balancer:
             balancer.update(accelerator)
-        for kind in ("sigterm_launcher", "sigkill_rank", "sigstop_rank", "slow_step"):  # the crash tests' points
-            cli.fault(kind, rank, step + 1)
+        if parts.ema is not None and not skipped:
+            parts.ema.update()
         step += 1
-        stop_requested = resilience.any_process(accelerator, bool(stop_signals.received))  # all after the same step
+        stop_requested = resilience.stop_vote(accelerator, stop_signals, step)  # every process stops after this step
         profiler.step(last=stop_requested or step == run.total_steps)
-        # The loss logged is the mean over the steps taken (reduced over processes at the log step).
-        if not skips.after_step(step, skip):
-            interval.loss_sum, interval.counted = interval.loss_sum + loss_sum / accum, interval.counted + 1
-        interval.steps += 1
+        interval.add(logged, skipped)  # the loss logged is the mean over the steps taken
         bar.update(1)
 
         if step % cfg.log_every == 0 or step == run.total_steps or stop_requested:
@@ -554,7 +625,8 @@ def train(cfg: Config, given: set[str]) -> int:
             watchdog.beat(step, "checkpoint")
             saved = checkpoint.save_checkpoint(
                 accelerator,
-                checkpoint.Save(ckpt_root, step, run.state_at(step, skips.total), run.model_config, cfg.keep_last),
+                checkpoint.Save(ckpt_root, step, run.state_at(step, skips.total), run.model_config, cfg.keep_last,
+                                checkpoint_state(parts)),
                 run.resume.kept if run.resume else (),
                 parts.finaliser,
             )

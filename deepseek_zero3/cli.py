@@ -94,9 +94,28 @@ def _pathconf(path: str, name: str, default: int) -> int:
         return default
 
 
-def field(default, doc: str):
-    """A Config field: its default and its --help text."""
-    return dataclasses.field(default=default, metadata={"help": doc})
+RESUME_POLICIES = ("fixed", "free", "retune", "length", "own")
+
+
+class Help(str):
+    """A field's --help text that also carries its resume policy (HfArgumentParser hands every metadata key to
+    argparse, so the policy rides on the one key it takes)."""
+
+    def __new__(cls, text: str, resume: str):
+        help_text = super().__new__(cls, text)
+        help_text.resume = resume
+        return help_text
+
+
+def field(default, doc: str, resume: str = "fixed"):
+    """A Config field: its default, its --help text, and what a resumed run does with it (train.py's Config says
+    what each policy means; checkpoint.config_for_resume applies it: resume_policy)."""
+    assert resume in RESUME_POLICIES, resume
+    return dataclasses.field(default=default, metadata={"help": Help(doc, resume)})
+
+
+def resume_policy(f: dataclasses.Field) -> str:
+    return getattr(f.metadata.get("help"), "resume", "fixed")
 
 
 def given_fields(config_class, argv: list[str]) -> set[str]:

@@ -50,7 +50,7 @@ def test_chunks_equal_the_full_cross_entropy(dtype):
     targets[[0, 5, 36]] = -100
     full = F.cross_entropy((hidden @ weight.T).float(), targets, reduction="sum")
     full_grads = torch.autograd.grad(full * 0.7, (hidden, weight))
-    nll = lmloss.ChunkedLinearNLL.apply(hidden, weight, targets, 8)
+    nll = lmloss.ChunkedLinearNLL.apply(hidden, weight, targets, 8)[0]
     grads = torch.autograd.grad(nll * 0.7, (hidden, weight), retain_graph=True)
     again = torch.autograd.grad(nll * 0.7, (hidden, weight))  # the kept last chunk was used up: recomputed
     tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16 keeps 8 bits of mantissa: 2^-8 = 4e-3 per rounding
@@ -135,14 +135,41 @@ def test_under_autocast_the_chunks_compute_in_its_dtype_like_plain_cross_entropy
         assert relative(grads[7][k], exact[k]) <= relative(grads[0][k], exact[k]) + rounding, k
 
 
+def test_the_z_term_is_the_squared_log_normaliser_with_its_gradient():
+    """model_nll(..., z_loss=True): the summed log(sum(exp(logits)))^2 of the scored positions, in chunks and whole,
+    and a loss with a z-loss term (PaLM's 1e-4 x its mean) backpropagates what autograd gives over whole logits, beside
+    the NLL. The chunked path is seen to matter: without the z branch of its backward the gradients differ."""
+    torch.manual_seed(0)
+    hidden = torch.randn(37, 16, requires_grad=True)
+    weight = (torch.randn(300, 16) * 0.5).requires_grad_()
+    targets = torch.randint(0, 300, (37,))
+    targets[[0, 5, 36]] = -100
+    logits = hidden @ weight.T
+    scored = targets != -100
+    z_full = logits.logsumexp(-1)[scored].square().sum()
+    full = F.cross_entropy(logits, targets, reduction="sum") + 3.0 * z_full
+    full_grads = torch.autograd.grad(full, (hidden, weight))
+    nll, z = lmloss.ChunkedLinearNLL.apply(hidden, weight, targets, 8)
+    assert float(z) == pytest.approx(float(z_full), rel=1e-6)
+    grads = torch.autograd.grad(nll + 3.0 * z, (hidden, weight))
+    assert all(relative(g, f) < 1e-6 for g, f in zip(grads, full_grads))
+    model = build("tiny", False)
+    inputs, ids = torch.randint(0, 1000, (2, 32)), torch.randint(0, 1000, (2, 32))
+    for chunk in (16, 0):  # chunked and whole logits
+        nll, n, z = lmloss.model_nll(model, inputs, ids, chunk, z_loss=True)
+        whole = model(input_ids=inputs).logits.float().logsumexp(-1).square().sum()
+        assert float(z) == pytest.approx(float(whole), rel=1e-5) and float(n) == 64
+        assert len(lmloss.model_nll(model, inputs, ids, chunk)) == 2
+
+
 def test_train_lm_loss_takes_the_path_its_flag_names(monkeypatch):
     calls = []
     apply = lmloss.ChunkedLinearNLL.apply
     monkeypatch.setattr(lmloss.ChunkedLinearNLL, "apply", lambda *a: calls.append(a[3]) or apply(*a))
     model = build("tiny", False)
     inputs, targets = torch.randint(0, 1000, (2, 32)), torch.randint(0, 1000, (2, 32))
-    full = train.lm_loss(model, (inputs, targets, None), train.Config(loss_chunk_tokens=0))
-    chunked = train.lm_loss(model, (inputs, targets, None), train.Config(loss_chunk_tokens=16))
+    full, _ = train.lm_loss(model, (inputs, targets, None), train.Config(loss_chunk_tokens=0))
+    chunked, _ = train.lm_loss(model, (inputs, targets, None), train.Config(loss_chunk_tokens=16))
     assert calls == [16] and float(chunked) == pytest.approx(float(full), rel=1e-6)
     assert train.Config().loss_chunk_tokens == lmloss.DEFAULT_CHUNK_TOKENS > 0
     assert "chunks of 16 tokens" in lmloss.loss_path(16)

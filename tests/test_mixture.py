@@ -157,10 +157,10 @@ def test_masked_forward_equals_each_document_alone(docs_data, preset):
             for a, b in zip(starts, starts[1:] + [seq_len]):
                 logits = model(input_ids=inputs[row : row + 1, a:b]).logits
                 alone[row, a:b] = F.cross_entropy(logits[0], targets[row, a:b], reduction="none")
-        loss = train.lm_loss(model, (inputs, targets, positions), cfg)
+        loss, logged = train.lm_loss(model, (inputs, targets, positions), cfg)
     assert (per_token - alone).abs().max() < 1e-5
     assert (unmasked - alone).abs().max() > 1e-2  # documents after the first see their predecessors unmasked
-    assert float(loss) == pytest.approx(float(per_token.mean()), rel=1e-5)
+    assert float(loss) == float(logged["loss"]) == pytest.approx(float(per_token.mean()), rel=1e-5)
 
 
 # --- a run mixed 0.5 / 0.5 -----------------------------------------------------------------------------------------

@@ -106,7 +106,7 @@ def test_mtp_loss_is_transformers_mtp_layers_and_reaches_block_and_embedding_alo
     inputs = torch.randint(1, 512, (2, 32))
     targets = torch.randint(1, 512, (2, 32))
     cfg = train.Config(mtp_depth=1, loss_chunk_tokens=16)  # two chunks of 32 tokens
-    losses = train.lm_loss(model, (inputs, targets, None), cfg)
+    losses = train.next_token_losses(model, (inputs, targets, None), cfg)
     assert losses.shape == (2,)
     reference = reference_mtp_loss(model, inputs, targets, None)
     assert float(losses[1].detach()) == pytest.approx(float(reference), rel=1e-5)
@@ -117,7 +117,7 @@ def test_mtp_loss_is_transformers_mtp_layers_and_reaches_block_and_embedding_alo
     assert grads["mtp.0.eh_proj.weight"].abs().sum() > 0 and grads["lm_head.weight"].abs().sum() > 0
     assert grads["model.embed_tokens.weight"][inputs[:, 1:].unique()].abs().sum() > 0
     model.zero_grad(set_to_none=True)
-    train.lm_loss(model, (inputs, targets, None), cfg)[0].backward()  # the main loss alone: nothing reaches MTP
+    train.next_token_losses(model, (inputs, targets, None), cfg)[0].backward()  # the main loss alone: nothing reaches MTP
     assert all(p.grad is None or not p.grad.any() for p in mtp.modules_of(model).parameters())
     assert float(mtp.objective(losses.detach(), 0.3)) == pytest.approx(float(losses[0] + 0.3 * losses[1]))
 
@@ -131,7 +131,7 @@ def test_gradient_checkpointing_and_document_masking_keep_the_mtp_loss():
         model = build("deepseek-v3-tiny", 1).train()
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        losses = train.lm_loss(model, (inputs, targets, positions), train.Config(mtp_depth=1))
+        losses = train.next_token_losses(model, (inputs, targets, positions), train.Config(mtp_depth=1))
         mtp.objective(losses, 0.3).backward()
         grads.append({k: p.grad for k, p in model.named_parameters() if k.startswith("mtp.")})
         masked = reference_mtp_loss(model, inputs, targets, positions)
@@ -205,7 +205,7 @@ def test_half_precision_weights_train_the_modules():
     """bf16 weights (as DeepSpeed's bf16 mode holds them): the modules' loss is finite and reaches them."""
     model = build("deepseek-v3-tiny", 1).to(torch.bfloat16).train()
     inputs = torch.randint(1, 512, (2, 16))
-    losses = train.lm_loss(model, (inputs, torch.roll(inputs, -1, 1), None), train.Config(mtp_depth=1))
+    losses = train.next_token_losses(model, (inputs, torch.roll(inputs, -1, 1), None), train.Config(mtp_depth=1))
     assert losses.dtype == torch.float32 and torch.isfinite(losses).all()
     mtp.objective(losses, 0.3).backward()
     assert mtp.modules_of(model)[0].eh_proj.weight.grad.abs().sum() > 0
@@ -236,7 +236,7 @@ def test_under_autocast_the_depths_share_one_16_bit_output_weight():
     inputs = torch.randint(1, 512, (2, 32))
     with VocabMatmuls(model.config.vocab_size) as seen, Copies():
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            losses = train.lm_loss(model, (inputs, torch.roll(inputs, -1, 1), None), train.Config(mtp_depth=2))
+            losses = train.next_token_losses(model, (inputs, torch.roll(inputs, -1, 1), None), train.Config(mtp_depth=2))
         mtp.objective(losses, 0.3).backward()
     assert copies == [torch.bfloat16] and seen.dtypes == {torch.bfloat16}, (copies, seen.dtypes)
     assert torch.isfinite(losses).all() and weight.grad.dtype == torch.float32 and weight.grad.abs().sum() > 0
@@ -251,7 +251,7 @@ def test_depths_chain_the_block_output_and_a_depth_without_targets_adds_nothing(
     torch.manual_seed(2)
     inputs = torch.randint(1, 512, (2, 16))
     targets = torch.randint(1, 512, (2, 16))
-    losses = train.lm_loss(model, (inputs, targets, None), train.Config(mtp_depth=2))
+    losses = train.next_token_losses(model, (inputs, targets, None), train.Config(mtp_depth=2))
     (ahead1, _), (ahead2, target2) = mtp.depth_targets(inputs, targets, None, 2)
     positions = torch.arange(16)[None]
     with torch.no_grad():

@@ -164,7 +164,9 @@ def make_windows(
 
 
 class ChunkedLinearNLL(torch.autograd.Function):
-    """Summed NLL of `targets` (-100: not scored) under softmax(hidden @ weight.T), `chunk_tokens` rows at a time.
+    """Summed NLL of `targets` (-100: not scored) under softmax(hidden @ weight.T), `chunk_tokens` rows at a time, and
+    beside it the summed squared log-normaliser log(sum(exp(logits)))^2 of the same rows (a z-loss's term, PaLM
+    section 5: free here, the forward has the log-sum-exp anyway): returns [nll, z], both differentiable.
 
     A chunk's logits are computed in the compute dtype, as the output layer computes them, and the softmax in fp32.
     Forward keeps each row's log-sum-exp and the last chunk's softmax; backward takes that chunk first and recomputes
@@ -194,6 +196,7 @@ class ChunkedLinearNLL(torch.autograd.Function):
         hidden = hidden.to(weight.dtype)
         lse = torch.empty(len(hidden), dtype=torch.float32, device=hidden.device)
         total = torch.zeros((), dtype=torch.float64, device=hidden.device)
+        z_total = torch.zeros((), dtype=torch.float64, device=hidden.device)
         starts = range(0, len(hidden), chunk_tokens)
         with torch.autocast(device, enabled=False):
             for start in starts:
@@ -205,16 +208,19 @@ class ChunkedLinearNLL(torch.autograd.Function):
                 sums = logits.sub_(top[:, None]).exp_().sum(dim=-1)
                 lse[rows] = sums.log().add_(top)
                 total += torch.where(t != -100, lse[rows] - picked, 0.0).sum(dtype=torch.float64)
+                z_total += torch.where(t != -100, lse[rows].square(), 0.0).sum(dtype=torch.float64)
                 if start == starts[-1] and any(ctx.needs_input_grad[:2]):
                     ctx.last_softmax = logits.div_(sums[:, None])  # exp(logits - top) / sum: the softmax, in place
                 del logits, picked, top  # before the next chunk's, or two chunks' logits are held at once
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.chunk_tokens = chunk_tokens
-        return total
+        return torch.stack([total, z_total])
 
     @staticmethod
-    def backward(ctx, grad_total):
+    def backward(ctx, grad_out):
         hidden, weight, targets, lse = ctx.saved_tensors
+        grad_total, grad_z = grad_out[0], grad_out[1]
+        with_z = bool(grad_z != 0)  # a z-loss in the objective: d z / d logits = 2 lse softmax
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         with torch.autocast(hidden.device.type, enabled=False):  # a backward called inside autocast: still ours
@@ -225,8 +231,13 @@ class ChunkedLinearNLL(torch.autograd.Function):
                 grad, ctx.last_softmax = getattr(ctx, "last_softmax", None), None  # a second backward recomputes it
                 if grad is None:
                     grad = (hidden[rows] @ weight.T).float().sub_(lse[rows, None]).exp_()
-                grad[torch.arange(len(t), device=t.device), t.clamp(min=0)] -= 1.0
-                grad.mul_(torch.where(t != -100, grad_total.float(), 0.0)[:, None])
+                scored = t != -100
+                if with_z:
+                    grad.mul_(torch.where(scored, grad_total.float() + 2 * grad_z.float() * lse[rows], 0.0)[:, None])
+                    grad[torch.arange(len(t), device=t.device), t.clamp(min=0)] -= torch.where(scored, grad_total, 0.0)
+                else:
+                    grad[torch.arange(len(t), device=t.device), t.clamp(min=0)] -= 1.0
+                    grad.mul_(torch.where(scored, grad_total.float(), 0.0)[:, None])
                 grad = grad.to(hidden.dtype)
                 if grad_hidden is not None:
                     grad_hidden[rows] = grad @ weight
@@ -264,9 +275,12 @@ def model_nll(
     chunk_tokens: int,
     position_ids: torch.Tensor | None = None,
     mtp_depths: list | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    z_loss: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """nll_sum of a causal LM's next-token predictions (targets of -100 are not scored); position_ids restarting at a
-    document's first token keep each document's attention to itself (document_positions).
+    document's first token keep each document's attention to itself (document_positions). With z_loss, a third value:
+    the summed squared log-normaliser of the scored positions (log(sum(exp(logits)))^2; PaLM's z-loss is 1e-4 x its
+    mean), differentiable like the NLL.
 
     With chunk_tokens > 0 the model runs its own forward (ZeRO-3's hooks gather the output weight once, as for its
     logits, and once again in backward), but its output layer, while called, returns the summed NLL of its hidden
@@ -317,12 +331,19 @@ def model_nll(
         n = torch.stack([(t != -100).sum() for t in [targets] + [t for _, t in mtp_depths or []]]).double()
         if core in _plain or (len(returned) == 1 and logits is not None and _same(logits, returned[0])):
             _plain[core] = True
-            return logits, n if mtp_depths else n[0]
+            nll, z = logits[..., 0], logits[..., 1]  # ChunkedLinearNLL's [nll, z] (per depth with MTP)
+            n = n if mtp_depths else n[0]
+            return (nll, n, z) if z_loss else (nll, n)
         if mtp_depths:
             raise ValueError(f"{type(core).__name__} changes its output layer's logits: its MTP loss cannot be taken")
         _plain[core] = False
         _print_once(f"note: {type(core).__name__} changes its output layer's logits; the loss takes them whole")
-    return nll_sum(model(input_ids=inputs, position_ids=position_ids, use_cache=False).logits, targets)
+    logits = model(input_ids=inputs, position_ids=position_ids, use_cache=False).logits
+    if not z_loss:
+        return nll_sum(logits, targets)
+    scored = targets != -100
+    z = torch.where(scored, logits.float().logsumexp(-1).square(), 0.0).sum(dtype=torch.float64)
+    return (*nll_sum(logits, targets), z)
 
 
 def _print_once(line: str) -> None:

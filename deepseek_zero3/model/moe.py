@@ -38,7 +38,7 @@ class LoadBalancer:
         self.bias = torch.stack([r.e_score_correction_bias.detach().float() for r in self.routers])  # --init_from's
         self.loads = torch.zeros_like(self.bias)
         self.aux_terms: list[torch.Tensor] = []
-        self.interval = {"maxvio": [], "aux": []}
+        self.interval = {"maxvio": []}
         self._collecting = False
         for layer, router in enumerate(self.routers):
             router.register_forward_hook(self._hook(layer))
@@ -81,7 +81,6 @@ class LoadBalancer:
             return None
         loss = self.alpha * torch.stack(self.aux_terms).sum()
         self.aux_terms.clear()
-        self.interval["aux"].append(loss.detach())
         return loss
 
     def update(self, accelerator) -> None:
@@ -94,14 +93,11 @@ class LoadBalancer:
         self.loads.zero_()
 
     def metrics(self, accelerator) -> dict:
-        """MaxVio of the worst layer and the mean over layers, averaged over the steps since the last call, and the
-        auxiliary loss averaged over those steps' micro-batches and all processes."""
+        """MaxVio of the worst layer and the mean over layers, averaged over the steps since the last call (the balance
+        loss is one of train.py's lm_loss terms, logged with the others)."""
         maxvio = torch.stack(self.interval["maxvio"]).mean(0)
-        record = {"moe_maxvio_max": float(maxvio.max()), "moe_maxvio_mean": float(maxvio.mean())}
-        if self.interval["aux"]:
-            record["moe_aux_loss"] = float(accelerator.reduce(torch.stack(self.interval["aux"]).mean(), "mean"))
-        self.interval = {"maxvio": [], "aux": []}
-        return record
+        self.interval = {"maxvio": []}
+        return {"moe_maxvio_max": float(maxvio.max()), "moe_maxvio_mean": float(maxvio.mean())}
 
     def _write_bias(self) -> None:
         for router, bias in zip(self.routers, self.bias):

@@ -106,7 +106,7 @@ def with_strategy(launch: Launch, s: Strategy, grad_accum_steps: int) -> Launch:
 
 
 def memory_plan(c, launch: Launch, micro_batch_size: int, seq_len: int, gradient_checkpointing: bool, attn: str,
-                loss_chunk_tokens: int = 0, mtp_depth: int = 0, muon: int = 0) -> dict:  # fmt: skip
+                loss_chunk_tokens: int = 0, mtp_depth: int = 0, muon: int = 0, ema: bool = False) -> dict:  # fmt: skip
     """Bytes per GPU (and per process in host RAM and on NVMe) of one training process, by component.
 
     Model states, mixed precision with Adam (fp32 in brackets), P parameters over n processes:
@@ -131,6 +131,8 @@ def memory_plan(c, launch: Launch, micro_batch_size: int, seq_len: int, gradient
     keeps each layer's input and recomputes one layer at a time. The loss: loss_bytes (the whole logits, or one chunk).
     MTP modules (mtp_depth): their parameters, each block's activations as one more layer, each depth's loss.
     Muon (muon: the parameters it updates, recipe/optimizer.py): one fp32 momentum for those, not Adam's two moments.
+    EMA (--ema_decay, recipe/ema.py): an fp32 average of every parameter where the weights are: 4P per process, 4P/n
+    under ZeRO-3, in host RAM with the parameters offloaded.
     """
     counts = param_counts(c, mtp_depth)
     p, n, stage = counts["total"], launch.world_size, launch.zero_stage
@@ -164,6 +166,8 @@ def memory_plan(c, launch: Launch, micro_batch_size: int, seq_len: int, gradient
             "optimizer_step_temporaries": 0 if offload_opt else 4 * p / n,
             "gathered_largest_tensor": param_b * counts["largest_tensor"] if stage == 3 else 0,
         }
+    ema_b = 4 * p / (n if stage == 3 else 1) if ema else 0
+    states["ema"] = 0 if launch.offload_params else ema_b
     gpu = {
         **states,
         "activations": acts_ckpt if gradient_checkpointing else acts_full,
@@ -177,6 +181,7 @@ def memory_plan(c, launch: Launch, micro_batch_size: int, seq_len: int, gradient
         + (optim_b + 4) * p / n * (launch.offload_optimizer == "cpu")
         + (4 * p / n + swap_buffers) * (launch.offload_optimizer == "nvme")
         + param_b * p / n * launch.offload_params
+        + ema_b * launch.offload_params
     )
     return {
         "gpu": gpu,
@@ -300,7 +305,7 @@ def step_costs(c, cfg, launch: Launch, micro_batch_size: int, machine: Machine, 
     muon = getattr(cfg, "optimizer", "adamw") == "muon"
     muon_params = model_math.muon_params(c, depth) if muon else 0
     mem = memory_plan(c, launch, micro_batch_size, cfg.seq_len, cfg.gradient_checkpointing, cfg.attn_implementation,
-                      cfg.loss_chunk_tokens, depth, muon_params)  # fmt: skip
+                      cfg.loss_chunk_tokens, depth, muon_params, bool(getattr(cfg, "ema_decay", 0)))  # fmt: skip
     counts = mem["params"]
     ds_host, ds_gpu = deepspeed_estimate(counts, launch)
     need = max(mem["gpu_total"], ds_gpu + mem["gpu"]["activations"] + mem["gpu"]["loss"])
@@ -465,7 +470,8 @@ def plan_report(cfg, c, launch: Launch, machine: Machine, base: float, steps: in
             f"{gpu['gathered_largest_tensor'] / GIB:.2f} + activations {gpu['activations'] / GIB:.2f} "
             f"(checkpointing {checkpointing}; on: {mem['activations_with_checkpointing'] / GIB:.2f}, "
             f"off: {mem['activations_without_checkpointing'] / GIB:.2f}) + loss {gpu['loss'] / GIB:.2f} "
-            f"({loss_path if cfg.loss_chunk_tokens else 'full logits'}) = {mem['gpu_total'] / GIB:.2f} GiB"
+            f"({loss_path if cfg.loss_chunk_tokens else 'full logits'})"
+            + (f" + EMA {gpu['ema'] / GIB:.2f}" if gpu["ema"] else "") + f" = {mem['gpu_total'] / GIB:.2f} GiB"
         ),
     ]
     if launch.zero_stage:

@@ -294,6 +294,18 @@ def push_final(final: Path, repo: str, step: int, api=None) -> str | None:
     return url
 
 
+def ema_card(ema_dir: Path, ema) -> Path:
+    """final_ema/README.md: what the directory is. The run's own card, beside it in final/, describes the training;
+    the average's scores are eval.py's to measure (the run validates its own weights)."""
+    text = (f"---\nlibrary_name: transformers\nlicense: unknown\ntags:\n- deepseek-zero3\n- ema\n---\n\n"
+            f"# {ema_dir.parent.resolve().name}: moving average of the weights\n\nThe exponential moving average of "
+            f"the weights of the run whose model card is in `../final/README.md` (data, batch, schedule, its own "
+            f"validation): after every optimizer step taken, ema = {ema.decay:g} x ema + {1 - ema.decay:g} x "
+            f"weights, in fp32 ({ema.updates} updates), exported in the dtype of the run's weights. Its scores were not "
+            f"measured during training: `python eval.py --model {ema_dir.name} ...` measures them.\n")  # fmt: skip
+    return save(ema_dir, text)
+
+
 def finish(run, parts) -> int:
     """After the last step's checkpoint: OUT/final with its card, the loss curve, and what the finished run no longer
     needs; --push_to_hub uploads final/ (run, parts: train.py's Run and Parts). Returns the exit code (3: the upload
@@ -304,6 +316,13 @@ def finish(run, parts) -> int:
     again = run.resume is not None and run.resume.state["step"] >= run.total_steps  # a finished run launched again
     kept = kept_card(out / "final") if again and accelerator.is_main_process else None
     final = checkpoint.export_final(accelerator, parts.model, run.tokenizer, out)
+    if parts.ema is not None:  # --ema_decay: the moving average as a model of its own, beside final/
+        averaged = parts.ema.whole(accelerator.is_main_process)
+        ema_dir = checkpoint.export_final(accelerator, parts.model, run.tokenizer, out, "final_ema", averaged)
+        if accelerator.is_main_process:
+            ema_card(ema_dir, parts.ema)
+        accelerator.print(f"the weights' moving average (--ema_decay {parts.ema.decay:g}, {parts.ema.updates} "
+                          f"updates) in {ema_dir}: python eval.py --model {ema_dir} scores it")  # fmt: skip
     if parts.finaliser:
         removed = checkpoint.remove_leftovers(out / "checkpoints")
         if removed:

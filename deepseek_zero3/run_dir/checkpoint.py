@@ -23,24 +23,10 @@ from pathlib import Path
 
 import torch
 
-from deepseek_zero3.cli import UserError, check_path, fault, remove, replace_dir, write_atomic, write_json_atomic
+from deepseek_zero3.cli import UserError, check_path, fault, resume_policy, remove, replace_dir, write_atomic, write_json_atomic
 from deepseek_zero3.model import models, mtp
+from deepseek_zero3.run_dir import state as state_lib
 
-# Settings that change what a run reports or where it reads and writes, not what it trains: free to change on resume.
-# data_mix as written: the weights it gives are in the run's identity.
-RESUME_CHANGEABLE = {
-    "data_dir", "data_mix", "log_every", "eval_every", "eval_at_start", "eval_tokens", "save_every", "keep_last",
-    "accelerate_config", "assumed_mfu", "interconnect_gb_s", "pcie_gb_s", "nvme_gb_s", "gpu_memory_gib",
-    "host_memory_gib", "compare", "gradient_accumulation_steps", "ignore_memory_plan", "log_with", "micro_batch_size",
-    "gradient_checkpointing", "attn_implementation", "loss_chunk_tokens", "decay_branch", "push_to_hub",
-}  # fmt: skip
-# What the run's own messages advise after a divergence or a hang: a resume may change them, and metrics.jsonl records
-# the change at that step. (Weight decay, betas and epsilon are not among them: the checkpoint's optimizer state
-# brings its own back.)
-RESUME_RETUNABLE = {"lr", "muon_lr", "min_lr_ratio", "warmup_steps", "max_grad_norm", "step_timeout_s",
-                    "max_skipped_steps", "mtp_loss_weight"}  # fmt: skip
-# The LR schedule's length; changing it on resume needs --lr_decay_steps or --decay_branch (schedule.replan).
-SCHEDULE_LENGTH = {"max_steps", "num_epochs", "lr_decay_steps"}
 # What a checkpoint saved before a setting existed ran with, where that is not the setting's default now.
 BEFORE_THE_FIELD = {"document_masking": False, "lr_schedule": "cosine", "mtp_depth": 0, "optimizer": "adamw"}
 # Flag values a run resolves and saves resolved (-1: the model's own depth): given again, they mean the run's own.
@@ -139,21 +125,22 @@ def mark_train_run(out: Path) -> None:
 
 def config_for_resume(cfg, given: set[str], saved: dict):
     """The settings of a resumed run: the checkpoint's for every field the command does not give. A command that
-    changes a training setting is refused; the schedule's length is checked by schedule.replan once known.
+    changes a "fixed" setting is refused (each Config field's resume= policy); the schedule's length is checked by schedule.replan once known.
     Returns (the run's Config, the settings taken from the checkpoint that differ from this command's, the retunable
     settings this command changes as {name: [the run's, this command's]})."""
     taken, changed = {}, {}
     saved = {**BEFORE_THE_FIELD, **saved} if saved else saved
     for f in dataclasses.fields(cfg):
-        if f.name not in saved or f.name in ("output_dir", "resume", "plan", "profile_steps"):  # this command's own
+        policy = resume_policy(f)  # train.py's Config says what each policy means
+        if f.name not in saved or policy == "own":
             continue
         ours = getattr(cfg, f.name)
         if f.name not in given or (f.name, ours) in RESOLVED_BY_THE_RUN:
             if saved[f.name] != ours:
                 taken[f.name] = saved[f.name]
-        elif ours != saved[f.name] and f.name in RESUME_RETUNABLE:
+        elif ours != saved[f.name] and policy == "retune":
             changed[f.name] = [saved[f.name], ours]
-        elif ours != saved[f.name] and f.name not in RESUME_CHANGEABLE | SCHEDULE_LENGTH:
+        elif ours != saved[f.name] and policy == "fixed":
             raise UserError(
                 f"cannot resume: the run was trained with {flag(f.name, saved[f.name])}, this command gives "
                 f"{flag(f.name, ours)}; drop it to keep the run's setting, or {fresh_start(cfg.output_dir)}"
@@ -583,13 +570,15 @@ def fix_for(error: BaseException) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Save:
-    """A checkpoint to write: where, at which step, its trainer_state.json and model config, how many to keep."""
+    """A checkpoint to write: where, at which step, its trainer_state.json and model config, how many to keep, and the
+    state it holds beside the model and optimizer (train.py's checkpoint_state: run_dir/state.py saves it)."""
 
     ckpt_root: Path
     step: int
     state: dict
     model_config: object
     keep_last: int
+    pieces: dict = dataclasses.field(default_factory=dict)
 
 
 def save_checkpoint(accelerator, save: Save, kept: tuple[Path, ...], finaliser: bool) -> Path:
@@ -607,9 +596,7 @@ def save_checkpoint(accelerator, save: Save, kept: tuple[Path, ...], finaliser: 
             tmp.mkdir(parents=True, exist_ok=True)
         accelerator.wait_for_everyone()
         accelerator.save_state(str(tmp))
-        if finaliser and not accelerator.is_main_process:  # node-local disk: Accelerate saves these on rank 0 only
-            for i, obj in enumerate(accelerator._custom_objects):
-                torch.save(obj.state_dict(), tmp / f"custom_checkpoint_{i}.pkl")
+        state_lib.save(tmp, save.pieces, accelerator, finaliser)
         fault("sigkill_in_save", accelerator.process_index, step)
         fault("sigterm_in_save", accelerator.process_index, step)
         if fault("enospc_in_save", accelerator.process_index, step):
@@ -635,9 +622,10 @@ def save_checkpoint(accelerator, save: Save, kept: tuple[Path, ...], finaliser: 
     return final
 
 
-def load_checkpoint(run, parts, universal: Path | None = None) -> None:
-    """Load the checkpoint run.resume names (run, parts: train.py's Run and Parts), or its universal form (reshard.py).
-    Only once it has loaded does an explicit --resume from an older checkpoint move the newer ones aside, so a failed
+def load_checkpoint(run, parts, pieces: dict, universal: Path | None = None) -> None:
+    """Load the checkpoint run.resume names (run, parts: train.py's Run and Parts), or its universal form (reshard.py),
+    and the state it holds beside them into `pieces` (train.py's checkpoint_state; always from the checkpoint itself:
+    run_dir/state.py reshards it). Only once it has loaded does an explicit --resume from an older checkpoint move the newer ones aside, so a failed
     load changes nothing."""
     path = run.resume.path
     try:
@@ -650,6 +638,7 @@ def load_checkpoint(run, parts, universal: Path | None = None) -> None:
         older = f"resume from an older checkpoint with --resume {path.parent}/step_N"
         fix = f"delete it: {path.name} is converted anew at the next start" if universal else older
         raise UserError(f"cannot load checkpoint {universal or path}: {why}; {fix}") from None
+    state_lib.load(path, pieces, parts.accelerator, parts.accelerator.print)
     if run.resume.branching and parts.finaliser:
         # This run's own checkpoints only: another run's checkpoint, resumed into a new OUT, leaves that run as it was.
         moved = set_aside_newer(Path(run.cfg.output_dir) / "checkpoints", path, run.resume.state["step"])
@@ -660,14 +649,17 @@ def load_checkpoint(run, parts, universal: Path | None = None) -> None:
     )
 
 
-def export_final(accelerator, model, tokenizer, out_dir: Path) -> Path:
+def export_final(accelerator, model, tokenizer, out_dir: Path, name: str = "final", weights=None) -> Path:
     """OUT/final: a plain Hugging Face model directory of the main network, weights gathered from the ZeRO-3 shards;
     MTP modules beside it in mtp.safetensors (DeepSeek-V3's layout: mtp.export_weights), their number in a DeepSeek-V3
-    config's num_nextn_predict_layers."""
+    config's num_nextn_predict_layers. `weights` ({parameter name: whole tensor}, on the main process: an EMA's) take
+    the place of the model's own parameters, in their dtype, and `name` the place of final."""
     from safetensors.torch import save_file
 
     state_dict = accelerator.get_state_dict(model)  # collective: every rank takes part
-    final, tmp = out_dir / "final", out_dir / ".tmp-final"
+    if weights and accelerator.is_main_process:
+        state_dict = {k: weights[k].to(v.dtype) if k in weights else v for k, v in state_dict.items()}
+    final, tmp = out_dir / name, out_dir / f".tmp-{name}"
     try:
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -36,14 +36,31 @@ def peak_memory_gib(device: torch.device) -> float:
 
 @dataclasses.dataclass
 class Interval:
-    """The steps since the last log line: how many, the summed loss of those not skipped (a tensor on this process's
-    device until the log step reduces it: the main loss, then each MTP depth's) and how many those were, and their
-    training time (pauses for validation and checkpoints excluded)."""
+    """The steps since the last log line: how many, the summed loss terms of those not skipped (train.py's lm_loss
+    `logged`, each a step's mean over its micro-batches: tensors on this process's device until the log step reduces
+    them) and how many those were, and their training time (pauses for validation and checkpoints excluded)."""
 
     steps: int = 0
-    loss_sum: torch.Tensor | float = 0.0
+    sums: dict = dataclasses.field(default_factory=dict)
     counted: int = 0
     t0: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def add(self, terms: dict, skipped: bool) -> None:
+        """A step taken (or skipped: it counts for the throughput, not for the losses)."""
+        self.steps += 1
+        if skipped:
+            return
+        self.counted += 1
+        for name, term in terms.items():
+            self.sums[name] = self.sums.get(name, 0) + term
+
+    def means(self, accelerator) -> dict[str, float]:
+        """Each term's mean over the steps counted and all processes (collective: one all-reduce)."""
+        if not self.counted:
+            return {"loss": float("nan")}
+        names = list(self.sums)
+        total = accelerator.reduce(torch.stack([torch.as_tensor(self.sums[n]).float() for n in names]), "sum")
+        return {n: float(v) / (self.counted * accelerator.num_processes) for n, v in zip(names, total)}
 
 
 def fp16_loss_scale(engine, scaler) -> float | None:
@@ -59,8 +76,7 @@ def metrics_record(run, parts, step: int, interval: Interval, last: dict) -> dic
     """The metrics of a log step (run and parts: train.py's Run and Parts); `last` holds the step's lr and grad_norm.
     Loss and memory are over all processes."""
     accelerator = parts.accelerator
-    loss_sum = accelerator.reduce(torch.as_tensor(interval.loss_sum, device=accelerator.device).float(), "sum")
-    loss_sum = loss_sum.reshape(-1) / (interval.counted * accelerator.num_processes) if interval.counted else None
+    terms = interval.means(accelerator)
     tokens_per_s = interval.steps * run.batch.tokens_per_step / (time.perf_counter() - interval.t0)
     mem = float(
         accelerator.gather(torch.tensor([peak_memory_gib(accelerator.device)], device=accelerator.device)).max()
@@ -68,8 +84,7 @@ def metrics_record(run, parts, step: int, interval: Interval, last: dict) -> dic
     record = {
         "step": step,
         "tokens": step * run.batch.tokens_per_step,
-        "loss": float(loss_sum[0]) if loss_sum is not None else float("nan"),
-        **{f"mtp_loss_{k}": float(loss_sum[k]) for k in range(1, len(loss_sum) if loss_sum is not None else 0)},
+        **terms,  # loss, then the other terms train.py's lm_loss logs (mtp_loss_k, moe_aux_loss, yours)
         **last,
         "tokens_per_s": tokens_per_s,
         "mfu": model_math.mfu(tokens_per_s, parts.planned.flops_per_token, parts.planned.peak_flops),

@@ -15,6 +15,7 @@ Watchdog     a phase (startup, step, validation, checkpoint) far past its limit:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import faulthandler
 import fcntl
@@ -180,17 +181,45 @@ FP16_ADVICE = ("--resume auto from the last checkpoint with a lower --lr (a resu
                "(--mixed_precision bf16 at launch) in a new --output_dir (a checkpoint keeps its precision)")
 
 
-def backward(accelerator, loss: torch.Tensor, step: int) -> None:
-    """accelerator.backward, with DeepSpeed's "loss scale already at minimum" (fp16 overflowing at scale 1, raised on
-    every rank at once) turned into Diverged."""
-    try:
+def backward(accelerator, engine, loss: torch.Tensor, step: int) -> None:
+    """train.py's backward: gradients only. Under DeepSpeed its engine's backward, told whether this micro-batch ends
+    the step's accumulation (ZeRO-1/2 reduce then); else accelerator.backward. The crash tests' NaN loss enters here."""
+    if cli.fault("nan_loss", accelerator.process_index, step):
+        loss = loss * float("nan")
+    if engine is None:
         accelerator.backward(loss)
+        return
+    with fp16_minimum_is_diverged(step):
+        engine.set_gradient_accumulation_boundary(accelerator.sync_gradients)
+        engine.backward(loss)
+
+
+def engine_step(engine, step: int) -> None:
+    """DeepSpeed's engine.step(): clip, step the optimizer or skip a non-finite step, zero the gradients."""
+    with fp16_minimum_is_diverged(step):
+        engine.step()
+
+
+@contextlib.contextmanager
+def fp16_minimum_is_diverged(step: int):
+    """DeepSpeed's "loss scale already at minimum" (fp16 overflowing at scale 1, raised on every rank at once) as
+    Diverged."""
+    try:
+        yield
     except Exception as e:
         if "loss scale already at minimum" not in str(e):
             raise
         raise Diverged(
             f"step {step}: the fp16 loss scale is at its minimum and gradients still overflow; {FP16_ADVICE}"
         ) from None
+
+
+def stop_vote(accelerator, stop_signals, step: int) -> bool:
+    """After a step: whether any process was asked to stop (any_process). The crash tests' after-step fault points
+    (a preemption, a killed, a stopped or a slow process) are hit here, where the loop hands over each step."""
+    for kind in ("sigterm_launcher", "sigkill_rank", "sigstop_rank", "slow_step"):
+        cli.fault(kind, accelerator.process_index, step)
+    return any_process(accelerator, bool(stop_signals.received))
 
 
 class Skips:
