@@ -105,7 +105,7 @@ class Config:
     accelerate_config: str = field("", "with --plan: the accelerate config YAML to plan for (default: the CPU config; "
                                        "with --compare the 3-GPU ZeRO-3 config, for its processes and global batch)")
     from_run: str = field("", "with --plan: a run's OUT: the plan it made beside what it measured, per component")
-    assumed_mfu: float = field(0.35, "model FLOPs utilisation the plan assumes on GPUs (CPU runs time their model)")
+    assumed_mfu: float = field(0.35, "MFU the plan assumes on GPUs, as runs log it (CPU runs time their model)")
     interconnect_gb_s: float = field(10.0, "with --plan: GPU-to-GPU all-reduce bandwidth, GB/s (PCIe 4.0 x16 without "
                                            "P2P: ~10); a real run measures it")
     pcie_gb_s: float = field(25.0, "with --plan: host-to-GPU bandwidth for offload, GB/s (PCIe 4.0 x16: ~25)")
