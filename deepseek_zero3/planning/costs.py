@@ -76,7 +76,7 @@ class Machine:
     bandwidth between the processes, host <-> one GPU, NVMe, the device's copy rate), the model FLOP/s a device
     reaches (as MFU counts them: --assumed_mfu x the peak, the recomputation's cost in it; or timed on a copy of the
     model without checkpointing, timed_without_checkpointing, which step_costs then adds), where the figures came
-    from, the peak for the plan's MFU (0: none) and whether Liger's fused loss, which recomputes nothing, takes it."""
+    from, and the peak for the plan's MFU (0: none)."""
 
     gpu_memory_gib: float
     host_memory_gib: float
@@ -92,7 +92,6 @@ class Machine:
     compute_source: str = ""
     peak_flops_per_device: float = 0.0
     timed_without_checkpointing: bool = False
-    fused_loss: bool = False
 
 
 def with_strategy(launch: Launch, s: Strategy, grad_accum_steps: int) -> Launch:
@@ -301,7 +300,7 @@ def step_costs(c, cfg, launch: Launch, micro_batch_size: int, machine: Machine, 
     moved = traffic(counts, launch, cfg.gradient_checkpointing, muon_params)
     tokens = micro_batch_size * launch.grad_accum_steps * launch.world_size * cfg.seq_len
     flops = model_flops_per_token(c, cfg.seq_len, depth)
-    hardware = model_math.run_hardware_flops(cfg, c, depth, micro_batch_size, machine.fused_loss)
+    hardware = model_math.run_hardware_flops(cfg, c, depth, micro_batch_size)
     timed = flops  # model FLOP/s: the recomputation's cost is in the rate, unless the rate was timed without it
     if cfg.gradient_checkpointing and machine.timed_without_checkpointing:
         timed += model_math.checkpointed_flops_per_token(c, cfg.seq_len, depth)
@@ -407,13 +406,6 @@ def strategy_name(launch: Launch) -> str:
     return f"ZeRO-{launch.zero_stage}"
 
 
-def fused_loss(launch: Launch) -> bool:
-    """Whether Liger's fused loss kernel will take a run's loss (lmloss.model_nll: on a GPU where it is installed)."""
-    import importlib.util
-
-    return launch.gpu and importlib.util.find_spec("liger_kernel") is not None
-
-
 def machine_for(cfg, launch: Launch, peak_flops_per_device: float, links: dict | None = None,
                 gpu_memory_gib: float = 0.0, model_rate: float | None = None, paper: bool = False) -> Machine:
     """The Machine a plan of train.py's Config divides by: measured figures where given (links: measure.measure_links of
@@ -444,7 +436,6 @@ def machine_for(cfg, launch: Launch, peak_flops_per_device: float, links: dict |
         compute_source=source,
         peak_flops_per_device=peak,
         timed_without_checkpointing=bool(model_rate),
-        fused_loss=fused_loss(launch),
     )
 
 
@@ -458,7 +449,7 @@ def plan_report(cfg, c, launch: Launch, machine: Machine, base: float, steps: in
     depth = model_math.mtp_depth(cfg, c)
     flops_tok = model_flops_per_token(c, cfg.seq_len, depth)
     checkpointed = model_math.checkpointed_flops_per_token(c, cfg.seq_len, depth)
-    again = model_math.recomputed(cfg, c, depth, cfg.micro_batch_size, machine.fused_loss)
+    again = model_math.recomputed(cfg, c, depth, cfg.micro_batch_size)
     where = "device" if launch.gpu else "process"
     full_loss = memory_plan(c, launch, cfg.micro_batch_size, cfg.seq_len, cfg.gradient_checkpointing,
                             cfg.attn_implementation, 0, depth)["gpu"]["loss"]  # fmt: skip

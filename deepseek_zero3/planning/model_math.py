@@ -190,8 +190,7 @@ def checkpointed_flops_per_token(c, seq_len: int, mtp_depth: int = 0) -> float:
 def loss_recomputed_flops_per_token(c, micro_tokens: int, chunk_tokens: int, mtp_depth: int = 0) -> float:
     """FLOPs per token the loss in chunks (lmloss.ChunkedLinearNLL) runs again in backward: the logits of every chunk
     of the micro-step's `micro_tokens` rows but the last (2 V h a row), for the main loss and each MTP depth's. None
-    for the full logits (chunk_tokens 0) or a micro-step of one chunk; the caller passes 0 where Liger's fused kernel
-    takes the loss (it computes the gradient in its forward)."""
+    for the full logits (chunk_tokens 0) or a micro-step of one chunk."""
     if not chunk_tokens or micro_tokens <= chunk_tokens:
         return 0.0
     last = micro_tokens - chunk_tokens * ((micro_tokens - 1) // chunk_tokens)
@@ -209,20 +208,17 @@ def hardware_flops_per_token(c, seq_len: int, mtp_depth: int, checkpointing: boo
     return model_flops_per_token(c, seq_len, mtp_depth) + recomputed
 
 
-def run_hardware_flops(cfg, c, depth: int, micro_batch_size: int, fused_loss: bool) -> float:
-    """hardware_flops_per_token of a run of train.py's Config (cfg) at a micro-batch; fused_loss: Liger takes the
-    loss."""
-    chunk = 0 if fused_loss else cfg.loss_chunk_tokens
+def run_hardware_flops(cfg, c, depth: int, micro_batch_size: int) -> float:
+    """hardware_flops_per_token of a run of train.py's Config (cfg) at a micro-batch."""
     return hardware_flops_per_token(c, cfg.seq_len, depth, cfg.gradient_checkpointing, micro_batch_size * cfg.seq_len,
-                                    chunk)  # fmt: skip
+                                    cfg.loss_chunk_tokens)  # fmt: skip
 
 
-def recomputed(cfg, c, depth: int, micro_batch_size: int, fused_loss: bool) -> str:
+def recomputed(cfg, c, depth: int, micro_batch_size: int) -> str:
     """What a run of train.py's Config (cfg) recomputes, in words ("" for nothing)."""
-    chunk = 0 if fused_loss else cfg.loss_chunk_tokens
-    loss = loss_recomputed_flops_per_token(c, micro_batch_size * cfg.seq_len, chunk, depth)
+    loss = loss_recomputed_flops_per_token(c, micro_batch_size * cfg.seq_len, cfg.loss_chunk_tokens, depth)
     return " and ".join((["the checkpointed layers' forward"] if cfg.gradient_checkpointing else [])
-                        + ([f"the loss's logits (--loss_chunk_tokens {chunk})"] if loss else []))  # fmt: skip
+                        + ([f"the loss's logits (--loss_chunk_tokens {cfg.loss_chunk_tokens})"] if loss else []))
 
 
 def activations_per_token(c, seq_len: int, attn: str, mtp_depth: int = 0) -> list[int]:

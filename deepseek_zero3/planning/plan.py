@@ -48,15 +48,14 @@ def check_plan_flags(cfg) -> None:
             raise UserError(f"--{name} is a --plan option: python train.py --plan --{name} ...")
 
 
-def check_assumed_mfu(cfg, c, launch) -> None:
+def check_assumed_mfu(cfg, c) -> None:
     """--assumed_mfu is MFU, as the run logs it; with recomputation the hardware runs more FLOPs in the same time (HFU =
     MFU x hardware / model FLOPs), and no device runs above its peak: refused where that HFU would be over 1."""
     depth = model_math.mtp_depth(cfg, c)
-    fused = costs.fused_loss(launch)
-    ratio = model_math.run_hardware_flops(cfg, c, depth, cfg.micro_batch_size, fused) / (
+    ratio = model_math.run_hardware_flops(cfg, c, depth, cfg.micro_batch_size) / (
         model_math.model_flops_per_token(c, cfg.seq_len, depth))  # fmt: skip
     if cfg.assumed_mfu * ratio > 1:
-        again = model_math.recomputed(cfg, c, depth, cfg.micro_batch_size, fused)
+        again = model_math.recomputed(cfg, c, depth, cfg.micro_batch_size)
         raise UserError(
             f"--assumed_mfu {cfg.assumed_mfu} is MFU; with {again} run again the hardware would run {ratio:.3f}x those "
             f"FLOPs, {cfg.assumed_mfu * ratio:.0%} of its peak: "
@@ -70,7 +69,7 @@ def plan_run(run, accelerator) -> RunPlan:
     refuses to start when it does not fit the GPUs or the host RAM (unless --ignore_memory_plan)."""
     cfg, launch, batch = run.cfg, run.launch, run.batch
     check_plan_flags(cfg)
-    check_assumed_mfu(cfg, run.model_config, launch)
+    check_assumed_mfu(cfg, run.model_config)
     if cfg.gradient_accumulation_steps not in (0, launch.grad_accum_steps):
         raise UserError(
             f"--gradient_accumulation_steps {cfg.gradient_accumulation_steps} is for --plan; a run takes it from the "
@@ -166,7 +165,7 @@ def print_plan(cfg, model_config, given: set[str] = frozenset()) -> None:
         optimizer.check(cfg, launch)
     if cfg.gradient_accumulation_steps:
         launch = dataclasses.replace(launch, grad_accum_steps=cfg.gradient_accumulation_steps)
-    check_assumed_mfu(cfg, model_config, launch)
+    check_assumed_mfu(cfg, model_config)
     if cfg.compare and (not launch.gpu or launch.nodes != 1 or launch.world_size != 3):
         raise UserError(
             f"--compare weighs the 3-GPU configs (accelerate_configs/*_3gpu.yaml); {path} is "
