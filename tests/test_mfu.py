@@ -53,7 +53,7 @@ def counted_flops(c, seq_len: int, micro: int, checkpointing: bool, chunk: int, 
 
 @pytest.mark.parametrize(
     ("preset", "q_lora", "chunk", "depth"),
-    [("tiny", None, 0, 0), ("tiny", None, 16, 0), ("deepseek-v3-tiny", None, 16, 2), ("deepseek-v3-tiny", 16, 0, 1)],
+    [("tiny", None, 16, 0), ("deepseek-v3-tiny", None, 16, 2), ("deepseek-v3-tiny", 16, 0, 1)],
 )
 def test_model_and_hardware_flops_are_what_torch_counts(preset, q_lora, chunk, depth):
     """Without checkpointing and with the full logits the count is the model FLOPs: PaLM's 6 N + the attention over
