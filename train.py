@@ -123,7 +123,7 @@ class Config:
                                    resume="free")
     from_run: str = field("", "with --plan: a run's OUT: the plan it made beside what it measured, per component",
                           resume="own")
-    assumed_mfu: float = field(0.35, "model FLOPs utilisation the plan assumes on GPUs (CPU runs time their model)",
+    assumed_mfu: float = field(0.35, "MFU the plan assumes on GPUs, as runs log it (CPU runs time their model)",
                                resume="free")
     interconnect_gb_s: float = field(10.0, "with --plan: GPU-to-GPU all-reduce bandwidth, GB/s (PCIe 4.0 x16 without "
                                            "P2P: ~10); a real run measures it", resume="free")

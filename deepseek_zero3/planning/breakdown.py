@@ -12,9 +12,21 @@ up), the training thread's time sorted into the plan's components (split_events)
                 reduce_scatter as an all-reduce and a copy) or waits, idle, while a gloo worker runs it
     unattributed  the step's wall time less the above: Python between ops, waits no collective covers
 Seconds per optimizer step, the mean over the profiled steps, written to OUT/profile/rank<R>.json with the ops that
-took the most, and the timeline beside it (rank<R>.trace.json, for Perfetto or chrome://tracing). On a GPU each
-component is its CUDA kernels' time (NCCL's kernels for the collectives) and unattributed the rest of the step (not
-tried here: no GPU).
+took the most, and the timeline beside it (rank<R>.trace.json, for Perfetto or chrome://tracing).
+
+On a GPU (device_split) the components are the device's timeline: each kernel (and Memcpy/Memset) goes to a
+component by its name and by the CPU op that launched it (the profiler links the two by correlation id: the kernel's
+linked_correlation_id is its op's id, as torch's own _parse_kineto_results attaches kernels to ops), that op's
+ancestors included: a kernel under the optimizer's step range (or named as Adam's: FusedAdamMathFunctor, DeepSpeed's
+AdamFunctor) is the optimizer, one launched by a copy op (COPY_OPS) or named as a copy (COPY_KERNELS) is a copy,
+NCCL's kernels their collective. Kernels on several streams run at once (NCCL's beside the compute stream, which
+ZeRO-3's overlap_comm makes the rule): each instant of the steps goes to one component, the first busy in DEVICE_ORDER
+(compute, optimizer, copies, then the collectives), so a collective counts only where it is exposed (nothing else
+runs), as on the CPU, where it counts only while the training thread waits; the time each collective ran hidden is
+in top_ops ("hidden: all_gather"). Where the device runs nothing while the training thread is in the optimizer's
+step, that is the optimizer (a host optimizer: DeepSpeed's CPU Adam with the optimizer offloaded); the rest of the
+idle device time is unattributed, never negative. Tested on a synthetic trace of FunctionEvents shaped as a GPU's
+(no GPU here).
 
 Planned: costs.step_costs's terms split the same way (planned); both side by side (table) for a run (from_run) and
 in bench/strategy_vs_plan.py --breakdown.
@@ -37,6 +49,14 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcas
 COMPONENTS = ("compute", "copies", "optimizer", *COLLECTIVES, "unattributed")
 TOP_OPS = 12
 COPY_OPS = ("aten::copy_", "aten::cat", "aten::clone", "aten::zero_", "aten::fill_", "aten::add_", "aten::_to_copy")
+# CUDA kernels that copy or fill memory whatever launched them: the copy engine's, PyTorch's elementwise copy (copy_,
+# .to(), .contiguous()), torch.cat's batched copy, fill_/zero_'s functor.
+COPY_KERNELS = ("Memcpy", "Memset", "direct_copy_kernel", "CatArrayBatchedCopy", "FillFunctor")
+# Adam's fused kernels: torch's fused AdamW (FusedAdamMathFunctor), DeepSpeed's FusedAdam (AdamFunctor); a lower-case
+# match, so that a launch the profiler did not link to its op still counts.
+OPTIMIZER_KERNELS = ("adamfunctor", "adammathfunctor", "fused_adam")
+# On a GPU an instant where several components' kernels run goes to the first of these (device_split).
+DEVICE_ORDER = ("compute", "optimizer", "copies", *COLLECTIVES)
 # How each backend names its collectives: gloo's worker-thread ranges, NCCL's kernels, c10d's own ops.
 COLLECTIVE_NAMES = {
     "all_reduce": ("gloo:all_reduce", "AllReduce", "allreduce"),
@@ -68,7 +88,8 @@ def split_events(events, steps: int) -> tuple[dict, dict]:
     collective's c10d op, to that collective. Where the training thread runs nothing, it waits: that time goes to the
     collective a backend worker runs meanwhile (gloo:all_reduce, ...), and what no worker covers is unattributed. A
     collective that overlaps the training thread's work (DDP's bucket all-reduce during backward) costs nothing here,
-    as it costs the step nothing."""
+    as it costs the step nothing. A profile with CUDA kernels is split on the device's timeline instead
+    (device_split)."""
     found, ops = dict.fromkeys(COMPONENTS, 0.0), {}
     step_events = sorted((e for e in events if e.name.startswith("ProfilerStep")), key=lambda e: e.time_range.start)
     step_events = step_events[:steps]  # a run that stopped inside the profile: the steps it completed
@@ -78,16 +99,14 @@ def split_events(events, steps: int) -> tuple[dict, dict]:
     main = step_events[0].thread
     steps_span = sorted((e.time_range.start, e.time_range.end) for e in step_events)
     wall = sum(end - start for start, end in steps_span)
-    gpu = any(e.device_type == torch.autograd.DeviceType.CUDA for e in events)
+    n = len(step_events)
+    if any(e.device_type == torch.autograd.DeviceType.CUDA for e in events):  # the training thread only launches
+        found, top = device_split(events, main, steps_span)
+        return {k: v / 1e6 / n for k, v in found.items()}, {k: v / 1e6 / n for k, v in top.items()}
     inside = lambda e: any(start <= e.time_range.start < end for start, end in steps_span)  # the steps kept
     events = [e for e in events if inside(e)]
     mine = [e for e in events if e.thread == main and e.device_type == cpu and not e.name.startswith("ProfilerStep")]
-    for e in events:
-        if e.device_type == torch.autograd.DeviceType.CUDA:  # a kernel: its device time
-            kind = collective_of(e.name)
-            copy = "emcpy" in e.name or "emset" in e.name
-            found[kind or ("copies" if copy else "compute")] += e.self_device_time_total
-    for e in [] if gpu else mine:  # on a GPU the training thread only launches kernels
+    for e in mine:
         names = [a.name for a in ancestors(e)]
         c10d = next((n for n in names if n.startswith("c10d::")), None)
         if c10d is not None:
@@ -100,13 +119,80 @@ def split_events(events, steps: int) -> tuple[dict, dict]:
             key = "compute"
         found[key] += e.self_cpu_time_total
         ops[f"{key}: {e.name}"] = ops.get(f"{key}: {e.name}", 0.0) + e.self_cpu_time_total
-    if not gpu:
-        for kind, waited in waits(mine, events, main, steps_span).items():
-            found[kind] += waited
+    for kind, waited in waits(mine, events, main, steps_span).items():
+        found[kind] += waited
     found["unattributed"] = wall - sum(v for k, v in found.items() if k != "unattributed")
     top = dict(sorted(ops.items(), key=lambda kv: -kv[1])[:TOP_OPS])
-    n = len(step_events)
     return {k: v / 1e6 / n for k, v in found.items()}, {k: v / 1e6 / n for k, v in top.items()}
+
+
+def kernel_component(kernel, op) -> str:
+    """The component of a device kernel launched by CPU op `op` (None: not linked): see the module's docstring."""
+    kind = collective_of(kernel.name)
+    if kind is not None:
+        return kind
+    names = [a.name for a in ancestors(op)]
+    c10d = next((n for n in names if n.startswith("c10d::")), None)
+    if c10d is not None:  # a collective's own copies (flattening, unpacking), as on the CPU
+        return collective_of(c10d) or "compute"
+    lower = kernel.name.lower()
+    if any(n.startswith("Optimizer.step") for n in names) or any(k in lower for k in OPTIMIZER_KERNELS):
+        return "optimizer"
+    if (op is not None and op.name in COPY_OPS) or any(k in kernel.name for k in COPY_KERNELS):
+        return "copies"
+    return "compute"
+
+
+def device_split(events, main, steps_span) -> tuple[dict, dict]:
+    """Microseconds of each component on a GPU's timeline over the profiled steps (steps_span: their (start, end) on
+    the training thread, main), and of the kernels that took the most (their own time, by component and name) with
+    the time each collective ran hidden behind other kernels. See the module's docstring."""
+    device = {torch.autograd.DeviceType.CUDA}
+    ops = {e.id: e for e in events if e.device_type not in device and e.linked_correlation_id == 0}
+    rank = {kind: i for i, kind in enumerate(DEVICE_ORDER)}
+    spans, own, collectives = [], {}, {kind: [] for kind in COLLECTIVES}
+    for e in events:
+        if e.device_type in device:
+            kind = kernel_component(e, ops.get(e.linked_correlation_id))
+            for start, end in clipped(e.time_range.start, e.time_range.end, steps_span):
+                spans.append((start, end, rank[kind]))
+                own[f"{kind}: {e.name}"] = own.get(f"{kind}: {e.name}", 0.0) + end - start
+                collectives.get(kind, []).append((start, end, 0))
+        elif e.thread == main and e.name.startswith("Optimizer.step"):  # the host's optimizer: last in line
+            host = clipped(e.time_range.start, e.time_range.end, steps_span)
+            spans += [(start, end, len(DEVICE_ORDER)) for start, end in host]
+    taken = first_busy(spans, len(DEVICE_ORDER) + 1)
+    found = dict.fromkeys(COMPONENTS, 0.0)
+    for kind, i in rank.items():
+        found[kind] = taken[i]
+    found["optimizer"] += taken[-1]
+    found["unattributed"] = sum(end - start for start, end in steps_span) - sum(taken)
+    top = dict(sorted(own.items(), key=lambda kv: -kv[1])[:TOP_OPS])
+    for kind, spans_of in collectives.items():
+        hidden = first_busy(spans_of, 1)[0] - found[kind]
+        if hidden > 0:
+            top[f"hidden: {kind}"] = hidden
+    return found, top
+
+
+def clipped(start: float, end: float, steps_span) -> list[tuple[float, float]]:
+    """The parts of [start, end) inside the profiled steps."""
+    return [(max(start, s), min(end, e)) for s, e in steps_span if min(end, e) > max(start, s)]
+
+
+def first_busy(spans, ranks: int) -> list[float]:
+    """Time of each rank on a timeline of (start, end, rank) spans that may overlap: each instant where any span runs
+    goes to the lowest rank running there, once; so the sum is the union of the spans."""
+    points = sorted([(start, 1, r) for start, _, r in spans] + [(end, -1, r) for _, end, r in spans])
+    running, taken, last = [0] * ranks, [0.0] * ranks, None
+    for at, change, r in points:
+        if last is not None and at > last:
+            busy = next((i for i, count in enumerate(running) if count), None)
+            if busy is not None:
+                taken[busy] += at - last
+        running[r] += change
+        last = at
+    return taken
 
 
 def kind_at(calls, starts, worker) -> str:

@@ -73,8 +73,10 @@ STRATEGIES = (
 @dataclasses.dataclass(frozen=True)
 class Machine:
     """What the plan divides by: per-GPU memory, host RAM per machine, bandwidths in GB/s (each collective's bus
-    bandwidth between the processes, host <-> one GPU, NVMe, the device's copy rate), the FLOP/s a device reaches
-    (peak x MFU), and where the collective figures came from."""
+    bandwidth between the processes, host <-> one GPU, NVMe, the device's copy rate), the model FLOP/s a device
+    reaches (as MFU counts them: --assumed_mfu x the peak, the recomputation's cost in it; or timed on a copy of the
+    model without checkpointing, timed_without_checkpointing, which step_costs then adds), where the figures came
+    from, and the peak for the plan's MFU (0: none)."""
 
     gpu_memory_gib: float
     host_memory_gib: float
@@ -88,6 +90,8 @@ class Machine:
     flops_per_device: float
     link_source: str = "assumed"
     compute_source: str = ""
+    peak_flops_per_device: float = 0.0
+    timed_without_checkpointing: bool = False
 
 
 def with_strategy(launch: Launch, s: Strategy, grad_accum_steps: int) -> Launch:
@@ -312,11 +316,12 @@ def step_costs(c, cfg, launch: Launch, micro_batch_size: int, machine: Machine, 
     host = host_bytes(mem, launch, base_per_process)
     moved = traffic(counts, launch, cfg.gradient_checkpointing, muon_params)
     tokens = micro_batch_size * launch.grad_accum_steps * launch.world_size * cfg.seq_len
-    recompute = 4 / 3 if cfg.gradient_checkpointing else 1.0  # one more forward of every layer
-    compute_s = (
-        model_flops_per_token(c, cfg.seq_len, depth) * tokens * recompute
-        / (launch.world_size * machine.flops_per_device)
-    )
+    flops = model_flops_per_token(c, cfg.seq_len, depth)
+    hardware = model_math.run_hardware_flops(cfg, c, depth, micro_batch_size)
+    timed = flops  # model FLOP/s: the recomputation's cost is in the rate, unless the rate was timed without it
+    if cfg.gradient_checkpointing and machine.timed_without_checkpointing:
+        timed += model_math.checkpointed_flops_per_token(c, cfg.seq_len, depth)
+    compute_s = timed * tokens / (launch.world_size * machine.flops_per_device)
     adam_s = 0.0
     if launch.offload_optimizer != "none":
         adam_s = HOST_ADAM_BYTES_PER_PARAM * counts["total"] / launch.nodes / (HOST_ADAM_GB_S * 1e9)
@@ -338,6 +343,9 @@ def step_costs(c, cfg, launch: Launch, micro_batch_size: int, machine: Machine, 
         ),
     }
     step_s = sum(seconds.values())
+    # What a run that takes step_s logs (metrics.utilisation): Newton-Schulz and the rest are time, not model FLOPs.
+    peak = launch.world_size * machine.peak_flops_per_device
+    mfu = model_math.mfu(tokens / step_s, flops, peak) if peak else None
     why = []
     if muon and launch.offload_optimizer != "none":
         why.append("Muon does not run with the optimizer offloaded")
@@ -357,6 +365,10 @@ def step_costs(c, cfg, launch: Launch, micro_batch_size: int, machine: Machine, 
         "all_reduce_hidden_s": hidden_s,
         "step_s": step_s,
         "tokens_per_s": tokens / step_s,
+        "model_flops_per_token": flops,
+        "hardware_flops_per_token": hardware,
+        "mfu": mfu,
+        "hfu": mfu * hardware / flops if mfu is not None and hardware > flops else None,
         "fits": not why,
         "why": "; ".join(why),
     }
@@ -419,6 +431,8 @@ def machine_for(cfg, launch: Launch, peak_flops_per_device: float, links: dict |
     assumed 10 GB/s for a CPU core)."""
     links = links or {}
     assumed = cfg.interconnect_gb_s
+    # On paper a CPU's peak is a nominal core's, not one timed: no MFU is planned against it.
+    peak = 0.0 if paper and not launch.gpu else peak_flops_per_device
     if model_rate:
         flops, source = model_rate, f"measured on this model: {measure.measured_rate_source(launch, paper)}"
     else:
@@ -437,6 +451,8 @@ def machine_for(cfg, launch: Launch, peak_flops_per_device: float, links: dict |
         flops_per_device=flops,
         link_source="measured" if "all_reduce" in links else "assumed, --interconnect_gb_s",
         compute_source=source,
+        peak_flops_per_device=peak,
+        timed_without_checkpointing=bool(model_rate),
     )
 
 
@@ -449,6 +465,8 @@ def plan_report(cfg, c, launch: Launch, machine: Machine, base: float, steps: in
     counts, gpu = mem["params"], mem["gpu"]
     depth = model_math.mtp_depth(cfg, c)
     flops_tok = model_flops_per_token(c, cfg.seq_len, depth)
+    checkpointed = model_math.checkpointed_flops_per_token(c, cfg.seq_len, depth)
+    again = model_math.recomputed(cfg, c, depth, cfg.micro_batch_size)
     where = "device" if launch.gpu else "process"
     full_loss = memory_plan(c, launch, cfg.micro_batch_size, cfg.seq_len, cfg.gradient_checkpointing,
                             cfg.attn_implementation, 0, depth)["gpu"]["loss"]  # fmt: skip
@@ -489,8 +507,10 @@ def plan_report(cfg, c, launch: Launch, machine: Machine, base: float, steps: in
     )
     lines.append(
         f"  step: {costs['tokens']:,} tokens, {costs['step_s']:.2f} s = {costs['compute_s']:.2f} s compute at "
-        f"{machine.flops_per_device / 1e12:.3g} TFLOP/s per {where} ({machine.compute_source}) + "
-        f"{costs['comm_s']:.2f} s for {moved['link'] / 1e9:.2f} GB per process over the link "
+        f"{machine.flops_per_device / 1e12:.3g} TFLOP/s per {where} ({machine.compute_source})"
+        + (f" with the checkpointed layers' forward again (+{checkpointed / flops_tok:.0%} FLOPs)"
+           if cfg.gradient_checkpointing and machine.timed_without_checkpointing else "")  # fmt: skip
+        + f" + {costs['comm_s']:.2f} s for {moved['link'] / 1e9:.2f} GB per process over the link "
         + (f"and {costs['all_reduce_hidden_s']:.3g} s behind the backward " if costs["all_reduce_hidden_s"] else "")
         + f"(all-reduce {machine.link_gb_s:.3g}, all-gather {machine.gather_gb_s:.3g}, reduce-scatter "
         f"{machine.scatter_gb_s:.3g} GB/s, {machine.link_source}) + {costs['copies_s']:.2f} s copying in device "
@@ -501,6 +521,8 @@ def plan_report(cfg, c, launch: Launch, machine: Machine, base: float, steps: in
         + (f" + {costs['host_adam_s']:.2f} s host Adam" if costs["host_adam_s"] else "")
         + (f" + {costs['newton_schulz_s']:.2f} s Muon's Newton-Schulz" if costs["newton_schulz_s"] else "")
         + f" = {costs['tokens_per_s']:,.0f} tokens/s"
+        + (f", MFU {model_math.percent(costs['mfu'])}" if costs["mfu"] is not None else "")
+        + (f" (HFU {model_math.percent(costs['hfu'])}: {again} run again)" if costs["hfu"] is not None else "")
         + (f"; {steps} steps = {steps * costs['step_s'] / 3600:.1f} h" if steps else "")
     )
     if launch.gpu:

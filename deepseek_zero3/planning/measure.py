@@ -112,7 +112,10 @@ def measure_model_rate(c, micro: int, seq_len: int, precision: str, attn: str, c
     plan's link and copy terms) and the optimizer. Call it on every process at once: on a CPU they share the cores.
     A model whose decoder layers are not one list (decoder_layers) is read as the copy's pass per 2 layers (embedding
     and head counted for each: a lower rate), without lock step. A DeepSeek config's copy keeps one dense layer, so
-    that the layer timed is an MoE layer, as most of the model's are. None for a copy over MEASURED_COPY_MAX_PARAMS."""
+    that the layer timed is an MoE layer, as most of the model's are. None for a copy over MEASURED_COPY_MAX_PARAMS.
+    The copy runs without activation checkpointing whatever the run's: the rate is model FLOP/s of passes that recompute
+    no layer (the loss's chunks aside), and a checkpointed run's plan adds the recomputed forward at that rate
+    (costs.step_costs)."""
     import copy
 
     from transformers import AutoModelForCausalLM

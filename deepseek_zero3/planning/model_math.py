@@ -1,5 +1,6 @@
-"""Model arithmetic without building the model: parameter counts (dense and MoE), training FLOPs per token, activations
-per token, MFU, and the GPUs' datasheet peaks."""
+"""Model arithmetic without building the model: parameter counts (dense and MoE), training FLOPs per token (the model's,
+what MFU counts, and the hardware's with recomputation, what HFU counts), activations per token, and the GPUs'
+datasheet peaks."""
 
 from __future__ import annotations
 
@@ -142,10 +143,14 @@ def newton_schulz_flops(c, mtp_depth: int = 0, steps: int = 5) -> float:
 
 
 def model_flops_per_token(c, seq_len: int, mtp_depth: int = 0) -> float:
-    """Training FLOPs per token of a config: 6 x activated non-embedding parameters (a MoE layer counts only the
-    experts a token goes to) + 6 L T x the attention's query-key and value widths (12 L H T for Llama; MLA's
-    per-head query-key width is qk_nope + qk_rope, its value width v_head_dim). Each MTP module adds its block as one
-    more layer and one more use of the output layer (the head's vocab x hidden matmul, per depth)."""
+    """Training FLOPs per token of a config, what MFU counts (PaLM's model FLOPs, Chowdhery et al. 2022, appendix B):
+    6 x activated non-embedding parameters (a MoE layer counts only the experts a token goes to) + 6 L T x the
+    attention's query-key and value widths (12 L H T for Llama; MLA's per-head query-key width is qk_nope + qk_rope,
+    its value width v_head_dim). The attention term is PaLM's and nanoGPT's: every one of the T x T query-key pairs,
+    not the causal half a kernel that skips the masked blocks computes, so MFU compares with theirs. Each MTP module
+    adds its block as one more layer and one more use of the output layer (the head's vocab x hidden matmul, per
+    depth). No recomputation (hardware_flops_per_token adds it) and no optimizer work (Muon's Newton-Schulz is
+    newton_schulz_flops): the same model and tokens give the same FLOPs however they are trained."""
     counts = param_counts(c, mtp_depth)
     if is_moe(c):
         widths = c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
@@ -154,6 +159,66 @@ def model_flops_per_token(c, seq_len: int, mtp_depth: int = 0) -> float:
     layers = c.num_hidden_layers + mtp_depth
     heads = mtp_depth * c.vocab_size * c.hidden_size
     return 6 * (counts["activated_non_embedding"] + heads) + 6 * layers * seq_len * widths
+
+
+def checkpointed_flops_per_token(c, seq_len: int, mtp_depth: int = 0) -> float:
+    """FLOPs per token that activation checkpointing runs again in backward: the forward of every decoder layer (and
+    of each MTP module's block, which gradient_checkpointing_enable reaches too) but its last matmul, the MLP's down
+    projection (the shared experts' in a MoE layer): torch's non-reentrant checkpoint stops recomputing once the
+    tensors backward needs are back, and nothing saves that projection's output, which only the residual adds. Only
+    matmuls: a layer's forward is 2 x its matmul weights (the norms' are none) + 2 T x the attention widths.
+    tests/test_mfu.py checks this against torch's FLOP counter on the dense and the MoE + MTP presets."""
+    h = c.hidden_size
+    if not is_moe(c):
+        kv = c.num_key_value_heads * (h // c.num_attention_heads)
+        weights = 2 * h * h + 2 * h * kv + 3 * h * c.intermediate_size
+        return (c.num_hidden_layers + mtp_depth) * (2 * weights + 4 * seq_len * h - 2 * h * c.intermediate_size)
+    qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+    q = h * c.num_attention_heads * qk if not c.q_lora_rank else (h + c.num_attention_heads * qk) * c.q_lora_rank
+    kv = h * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank * c.num_attention_heads * (
+        c.qk_nope_head_dim + c.v_head_dim)  # fmt: skip
+    attention = 2 * (q + kv + c.num_attention_heads * c.v_head_dim * h)
+    attention += 2 * seq_len * c.num_attention_heads * (qk + c.v_head_dim)
+    i = c.moe_intermediate_size
+    routed = c.num_experts_per_tok * 3 * h * i + c.n_routed_experts * h  # with the router
+    moe = attention + 2 * (routed + c.n_shared_experts * 3 * h * i) - 2 * h * c.n_shared_experts * i
+    dense = attention + 2 * 3 * h * c.intermediate_size - 2 * h * c.intermediate_size
+    n_dense = min(c.first_k_dense_replace, c.num_hidden_layers)
+    return n_dense * dense + (c.num_hidden_layers - n_dense + mtp_depth) * moe
+
+
+def loss_recomputed_flops_per_token(c, micro_tokens: int, chunk_tokens: int, mtp_depth: int = 0) -> float:
+    """FLOPs per token the loss in chunks (lmloss.ChunkedLinearNLL) runs again in backward: the logits of every chunk
+    of the micro-step's `micro_tokens` rows but the last (2 V h a row), for the main loss and each MTP depth's. None
+    for the full logits (chunk_tokens 0) or a micro-step of one chunk."""
+    if not chunk_tokens or micro_tokens <= chunk_tokens:
+        return 0.0
+    last = micro_tokens - chunk_tokens * ((micro_tokens - 1) // chunk_tokens)
+    return 2 * c.vocab_size * c.hidden_size * (1 + mtp_depth) * (micro_tokens - last) / micro_tokens
+
+
+def hardware_flops_per_token(c, seq_len: int, mtp_depth: int, checkpointing: bool, micro_tokens: int,
+                             chunk_tokens: int) -> float:  # fmt: skip
+    """The FLOPs per token the hardware runs, what HFU counts (PaLM's hardware FLOPs: with rematerialisation): the model
+    FLOPs, the recomputed forward of checkpointed layers (checkpointing) and the chunked loss's recomputed logits.
+    What a fused kernel recomputes inside itself (FlashAttention's backward its score matrix) is the kernel's own and
+    not counted, as in Megatron's and torchtitan's HFU."""
+    recomputed = checkpointed_flops_per_token(c, seq_len, mtp_depth) if checkpointing else 0.0
+    recomputed += loss_recomputed_flops_per_token(c, micro_tokens, chunk_tokens, mtp_depth)
+    return model_flops_per_token(c, seq_len, mtp_depth) + recomputed
+
+
+def run_hardware_flops(cfg, c, depth: int, micro_batch_size: int) -> float:
+    """hardware_flops_per_token of a run of train.py's Config (cfg) at a micro-batch."""
+    return hardware_flops_per_token(c, cfg.seq_len, depth, cfg.gradient_checkpointing, micro_batch_size * cfg.seq_len,
+                                    cfg.loss_chunk_tokens)  # fmt: skip
+
+
+def recomputed(cfg, c, depth: int, micro_batch_size: int) -> str:
+    """What a run of train.py's Config (cfg) recomputes, in words ("" for nothing)."""
+    loss = loss_recomputed_flops_per_token(c, micro_batch_size * cfg.seq_len, cfg.loss_chunk_tokens, depth)
+    return " and ".join((["the checkpointed layers' forward"] if cfg.gradient_checkpointing else [])
+                        + ([f"the loss's logits (--loss_chunk_tokens {cfg.loss_chunk_tokens})"] if loss else []))
 
 
 def activations_per_token(c, seq_len: int, attn: str, mtp_depth: int = 0) -> list[int]:
@@ -184,7 +249,14 @@ def _layer_activations(c, seq_len: int, attn: str) -> list[int]:
 
 
 def mfu(tokens_per_s: float, flops_per_tok: float, peak_flops: float) -> float:
+    """The share of the peak a run reaches: MFU with model_flops_per_token, HFU with hardware_flops_per_token."""
     return tokens_per_s * flops_per_tok / peak_flops
+
+
+def percent(share: float) -> str:
+    """A utilisation as the plan and the console print it: 3 significant digits (35.4%, and 0.119% for a tiny model
+    on a CPU, which one decimal would round to nothing)."""
+    return f"{100 * share:.3g}%"
 
 
 def gpu_peak_flops(device_name: str, precision: str) -> float | None:

@@ -8,6 +8,7 @@ The parts it answers from: the launch (distributed.py), model arithmetic (model_
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -25,10 +26,11 @@ class RunPlan:
     """What a live run's plan tells the rest of setup and the loop."""
 
     counts: dict  # model_math.param_counts of the model config
-    flops_per_token: float  # training FLOPs per token, what MFU counts
+    flops_per_token: float  # training FLOPs per token, what MFU counts (model_math.model_flops_per_token)
     peak_flops: float  # what MFU is measured against: all processes' together
     peak_source: str  # where peak_flops comes from (a datasheet, or a matmul timed in this run)
     record: dict  # for OUT/plan.json: the launch, the measured machine and the planned seconds per component
+    hardware_flops_per_token: float = 0.0  # with what the run recomputes, what HFU counts (0 or equal: no HFU)
 
 
 def check_plan_flags(cfg) -> None:
@@ -36,6 +38,8 @@ def check_plan_flags(cfg) -> None:
     for name in ("assumed_mfu", "interconnect_gb_s", "pcie_gb_s", "nvme_gb_s", "gpu_memory_gib"):
         if not getattr(cfg, name) > 0:
             raise UserError(f"--{name} {getattr(cfg, name)} must be positive")
+    if cfg.assumed_mfu > 1:
+        raise UserError(f"--assumed_mfu {cfg.assumed_mfu} must be at most 1 (a share of the peak: 0.35 is 35%)")
     for name in ("host_memory_gib", "gradient_accumulation_steps"):
         if getattr(cfg, name) < 0:
             raise UserError(f"--{name} {getattr(cfg, name)} must not be negative (0: the default)")
@@ -44,12 +48,28 @@ def check_plan_flags(cfg) -> None:
             raise UserError(f"--{name} is a --plan option: python train.py --plan --{name} ...")
 
 
+def check_assumed_mfu(cfg, c) -> None:
+    """--assumed_mfu is MFU, as the run logs it; with recomputation the hardware runs more FLOPs in the same time (HFU =
+    MFU x hardware / model FLOPs), and no device runs above its peak: refused where that HFU would be over 1."""
+    depth = model_math.mtp_depth(cfg, c)
+    ratio = model_math.run_hardware_flops(cfg, c, depth, cfg.micro_batch_size) / (
+        model_math.model_flops_per_token(c, cfg.seq_len, depth))  # fmt: skip
+    if cfg.assumed_mfu * ratio > 1:
+        again = model_math.recomputed(cfg, c, depth, cfg.micro_batch_size)
+        raise UserError(
+            f"--assumed_mfu {cfg.assumed_mfu} is MFU; with {again} run again the hardware would run {ratio:.3f}x those "
+            f"FLOPs, {cfg.assumed_mfu * ratio:.0%} of its peak: "
+            f"give at most {math.floor(100 / ratio) / 100:g}"
+        )
+
+
 def plan_run(run, accelerator) -> RunPlan:
     """The plan of this launch (run: train.py's Run, past its checks and its resume's): prints the batch plan and the
     plan of memory and time, which the processes measure together (peak FLOP/s, the links, on a CPU the model's rate);
     refuses to start when it does not fit the GPUs or the host RAM (unless --ignore_memory_plan)."""
     cfg, launch, batch = run.cfg, run.launch, run.batch
     check_plan_flags(cfg)
+    check_assumed_mfu(cfg, run.model_config)
     if cfg.gradient_accumulation_steps not in (0, launch.grad_accum_steps):
         raise UserError(
             f"--gradient_accumulation_steps {cfg.gradient_accumulation_steps} is for --plan; a run takes it from the "
@@ -84,14 +104,15 @@ def plan_run(run, accelerator) -> RunPlan:
         )
     depth = model_math.mtp_depth(cfg, run.model_config)
     counts = model_math.param_counts(run.model_config, depth)
-    flops = model_math.model_flops_per_token(run.model_config, cfg.seq_len, depth)
     step = costs.step_costs(run.model_config, cfg, launch, batch.micro_batch_size, machine, base)
     strategy = f"ZeRO-{launch.zero_stage}" if launch.zero_stage else "DDP" if launch.world_size > 1 else "one process"
     offloaded = f", optimizer offloaded to {launch.offload_optimizer}" if launch.offload_optimizer != "none" else ""
     record = {"strategy": strategy + offloaded, "launch": dataclasses.asdict(launch),
               "micro_batch_size": batch.micro_batch_size, "tokens_per_step": batch.tokens_per_step,
-              "machine": dataclasses.asdict(machine), "planned_s": breakdown.planned(step, machine)}  # fmt: skip
-    return RunPlan(counts, flops, peak_flops, peak_source, record)
+              "machine": dataclasses.asdict(machine), "planned_s": breakdown.planned(step, machine),
+              "planned_mfu": step["mfu"], "planned_hfu": step["hfu"]}  # fmt: skip
+    return RunPlan(counts, step["model_flops_per_token"], peak_flops, peak_source, record,
+                   step["hardware_flops_per_token"])  # fmt: skip
 
 
 def source_passes(run) -> str:
@@ -144,6 +165,7 @@ def print_plan(cfg, model_config, given: set[str] = frozenset()) -> None:
         optimizer.check(cfg, launch)
     if cfg.gradient_accumulation_steps:
         launch = dataclasses.replace(launch, grad_accum_steps=cfg.gradient_accumulation_steps)
+    check_assumed_mfu(cfg, model_config)
     if cfg.compare and (not launch.gpu or launch.nodes != 1 or launch.world_size != 3):
         raise UserError(
             f"--compare weighs the 3-GPU configs (accelerate_configs/*_3gpu.yaml); {path} is "

@@ -25,18 +25,41 @@ def last_by_step(records: list[dict]) -> list[dict]:
     return sorted({r["step"]: r for r in records if "loss" in r}.values(), key=lambda r: r["step"])
 
 
-def training_seconds(records: list[dict]) -> float:
-    """Seconds spent in training steps over every segment, from each log record's tokens and throughput (validation,
-    checkpoints and restarts not counted)."""
+def timed_records(records: list[dict]) -> list[tuple[dict, float]]:
+    """Each training log record with the seconds of training steps it covers, from its tokens and throughput over every
+    segment (validation, checkpoints and restarts not counted)."""
     steps = last_by_step(records)
-    seconds, tokens = 0.0, 0
+    timed, tokens = [], 0
     if records and records[0].get("event") == "resume" and steps:  # a log that starts at a checkpoint (a branch)
         tokens = records[0]["step"] * steps[0]["tokens"] // steps[0]["step"]
     for r in steps:
         if r.get("tokens_per_s"):
-            seconds += (r["tokens"] - tokens) / r["tokens_per_s"]
+            timed.append((r, (r["tokens"] - tokens) / r["tokens_per_s"]))
         tokens = r["tokens"]
-    return seconds
+    return timed
+
+
+def training_seconds(records: list[dict]) -> float:
+    """Seconds spent in training steps over every segment (timed_records)."""
+    return sum(seconds for _, seconds in timed_records(records))
+
+
+def speed_line(records: list[dict]) -> str:
+    """The card's line on the run's speed over its training time: tokens/s, MFU and, where the run recomputed, HFU,
+    each the time-weighted mean of the log records' (MFU so is the run's model FLOPs over its seconds and peak;
+    metrics.utilisation says what each counts). A record without `hfu` recomputed nothing: its HFU is its MFU."""
+    from deepseek_zero3.planning import model_math
+
+    timed = [(r, seconds) for r, seconds in timed_records(records) if isinstance(r.get("mfu"), (int, float))]
+    total = sum(seconds for _, seconds in timed)
+    if total <= 0:
+        return ""
+    mean = lambda key: sum(r.get(key, r["mfu"]) * seconds for r, seconds in timed) / total
+    hfu = (f", HFU {model_math.percent(mean('hfu'))} (the FLOPs the hardware ran, the recomputed ones too: activation "
+           "checkpointing, the loss's chunks)" if any("hfu" in r for r, _ in timed) else "")  # fmt: skip
+    return (f"\n- Speed: {mean('tokens_per_s'):,.0f} tokens/s, MFU {model_math.percent(mean('mfu'))} (model FLOPs "
+            "per token: 6 x the activated non-embedding parameters + the attention over all token pairs, PaLM's count, "
+            f"over the peak){hfu}.")
 
 
 def device_name() -> str:
@@ -107,6 +130,7 @@ def write_card(final: Path, run, records: list[dict]) -> Path:
     took = f"{seconds / 3600:.2f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
     resumes = sum(1 for r in records if r.get("event") == "resume")
     skipped = last.get("skipped_steps", 0)
+    speed = speed_line(records)
     branch = (f"\n- A decay branch: the run's schedule until step {cfg.decay_start_step}, then {cfg.decay_branch} "
               "steps of decay (train.py --decay_branch; its first launch counts as a resume)."
               if cfg.decay_start_step else "") + mtp_line(cfg)  # fmt: skip
@@ -137,7 +161,7 @@ deepseek-zero3 scripts. Everything below was measured by the run itself.
 - Precision {launch.precision}, {f"DeepSpeed ZeRO-{launch.zero_stage}" if launch.zero_stage else "no DeepSpeed"},
   {launch.world_size} process(es) on {launch.nodes} machine(s), {device_name()}.
 - Time in training steps: {took} (from the logged throughput; validation and checkpoints not counted);
-  resumed {resumes} time(s) on the way; {skipped} step(s) skipped (a non-finite loss or gradient).{branch}
+  resumed {resumes} time(s) on the way; {skipped} step(s) skipped (a non-finite loss or gradient).{speed}{branch}
 
 ## Validation (step {val.get('step', '-')}, the run's own validation split)
 

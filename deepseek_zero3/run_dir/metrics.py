@@ -1,7 +1,9 @@
 """A run's metrics: one record per log step (to metrics.jsonl, the tracker and one console line), the file read back
 (a torn last line is what a kill while appending leaves), cut back on resume, and drawn as the loss curve.
 
-    metrics_record   the record of a log step: loss, lr, grad norm, tokens/s, MFU, peak memory, fp16 scale, MoE balance
+    metrics_record   the record of a log step: loss, lr, grad norm, tokens/s, MFU (and HFU), peak memory, fp16 scale,
+                     MoE balance
+    utilisation      MFU, and HFU where the run recomputes
     console_line     its one line on the console
     append / read_metrics / truncate_metrics / plot_losses   metrics.jsonl written, read, cut back, drawn
     start_outputs    metrics.jsonl (cut back on resume), config.json and the trackers, as a run starts
@@ -87,7 +89,7 @@ def metrics_record(run, parts, step: int, interval: Interval, last: dict) -> dic
         **terms,  # loss, then the other terms train.py's lm_loss logs (mtp_loss_k, moe_aux_loss, yours)
         **last,
         "tokens_per_s": tokens_per_s,
-        "mfu": model_math.mfu(tokens_per_s, parts.planned.flops_per_token, parts.planned.peak_flops),
+        **utilisation(tokens_per_s, parts.planned),
         "peak_mem_gib": mem,
         "epoch": step * run.batch.sequences_per_step / run.data.n_windows,
         "samples_seen": step * run.batch.sequences_per_step,
@@ -98,6 +100,17 @@ def metrics_record(run, parts, step: int, interval: Interval, last: dict) -> dic
         record["loss_scale"] = fp16_loss_scale(parts.engine, accelerator.scaler)
     if parts.balancer:
         record.update(parts.balancer.metrics(accelerator))
+    return record
+
+
+def utilisation(tokens_per_s: float, planned) -> dict:
+    """`mfu`: the model FLOPs a second (planned.flops_per_token: PaLM's count, no recomputation, no optimizer work)
+    over the peak of all processes; and `hfu` where the run recomputes (activation checkpointing, the loss in chunks):
+    the FLOPs the hardware runs (planned.hardware_flops_per_token) over the same peak. planned: plan.RunPlan. The plan
+    states the same two figures for its own step time, and its --assumed_mfu is this MFU."""
+    record = {"mfu": model_math.mfu(tokens_per_s, planned.flops_per_token, planned.peak_flops)}
+    if planned.hardware_flops_per_token > planned.flops_per_token:
+        record["hfu"] = model_math.mfu(tokens_per_s, planned.hardware_flops_per_token, planned.peak_flops)
     return record
 
 
@@ -160,7 +173,9 @@ def console_line(r: dict, total_steps: int) -> str:
         f"step {r['step']}/{total_steps} | loss {r['loss']:.4f} | "
         + "".join(f"MTP {k[9:]} {v:.4f} | " for k, v in r.items() if k.startswith("mtp_loss_"))
         + f"lr {r['lr']:.2e} | grad {r['grad_norm']:.3f} | "
-        f"{r['tokens_per_s']:,.0f} tok/s | MFU {r['mfu']:.1%} | peak mem {r['peak_mem_gib']:.2f} GiB"
+        f"{r['tokens_per_s']:,.0f} tok/s | MFU {model_math.percent(r['mfu'])}"
+        + (f" (HFU {model_math.percent(r['hfu'])})" if "hfu" in r else "")
+        + f" | peak mem {r['peak_mem_gib']:.2f} GiB"
         + (f" | scale {r['loss_scale']:.0f}" if r.get("loss_scale") is not None else "")
         + (f" | skipped {r['skipped_steps']}" if r.get("skipped_steps") or "loss_scale" in r else "")
         + (
