@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 # The unit tests import the scripts (train, eval, prepare_data) as modules, from the root, as Python runs them; with
@@ -211,11 +212,12 @@ def docs_data(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def ref_run(docs_data, tmp_path_factory):
     """The reference run: 3 processes x micro-batch 2 = global batch 6, 10 steps, checkpoints at steps 4, 8 and 10
-    (test_reshard.py resumes step 4 on other numbers of processes); returns (OUT, the launch's CompletedProcess)."""
+    (test_reshard.py resumes step 4 on other numbers of processes), an EMA of the weights (--ema_decay: per ZeRO-3
+    partition, which every resume on 3, 2 or 1 processes must carry exactly); returns (OUT, the CompletedProcess)."""
 
     def make(directory: Path):
         args = [*TINY, "--max_steps", "10", "--micro_batch_size", "2", "--data_dir", docs_data, "--output_dir",
-                directory / "out", "--save_every", "4", "--keep_last", "3"]  # fmt: skip
+                directory / "out", "--save_every", "4", "--keep_last", "3", "--ema_decay", "0.9"]  # fmt: skip
         return directory / "out", launch(3, *args)
 
     return once_for_all_workers(tmp_path_factory, "ref", make)
@@ -274,6 +276,29 @@ def moe_ref(docs_data, tmp_path_factory):
         return directory / "ref", train_moe(3, directory / "ref", docs_data, "--max_steps", STEPS, "--save_every", HALF)
 
     return once_for_all_workers(tmp_path_factory, "moe", make)
+
+
+def ema_of(ckpt: Path) -> dict:
+    """The EMA a checkpoint holds (run_dir/state.py's files: one per process under ZeRO-3, else one), whole: each
+    parameter's flat average over every process's partition, cut to its number of elements."""
+    from deepseek_zero3.model import weights
+
+    shards = sorted(ckpt.glob("state-ema-rank*.pt"), key=lambda p: int(p.stem.rsplit("rank", 1)[1]))
+    states = [torch.load(p, weights_only=False)["state"] for p in shards] or [torch.load(ckpt / "state-ema.pt")]
+    names = states[0]["average"]
+    model = [s["average"] for s in states]
+    return {n: weights.repartition([m[n] for m in model], sum(len(m[n]) for m in model), 0, 1) for n in names}
+
+
+def assert_same_ema(a: Path, b: Path, rel: float) -> None:
+    """Two checkpoints' EMAs agree to `rel` (relative norm of each parameter's difference); the padding of the last
+    partition (zeros) does not count."""
+    ema_a, ema_b = ema_of(a), ema_of(b)
+    assert ema_a.keys() == ema_b.keys() and ema_a
+    for name in ema_a:
+        n = min(len(ema_a[name]), len(ema_b[name]))
+        x, y = ema_a[name][:n], ema_b[name][:n]
+        assert float((x - y).norm() / x.norm()) <= rel, (name, float((x - y).norm() / x.norm()))
 
 
 def reloaded_model(final_dir, data_dir) -> dict:

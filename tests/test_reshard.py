@@ -16,7 +16,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import launch, train_records
+from conftest import assert_same_ema, launch, train_records
 
 from deepseek_zero3.cli import UserError
 from deepseek_zero3.run_dir import checkpoint, reshard
@@ -100,6 +100,10 @@ def test_three_processes_continue_on_two(ref_run, three_to_two):
     assert "resumed from" in runs["resumed"].stdout
     assert "written by 3 processes, this run has 2" in runs["resumed"].stdout
     assert_continues(ref_run[0], out, range(5, 9))
+    # The EMA (checkpoint state of train.py's own, per ZeRO-3 partition) cut again for 2 processes: two shares now,
+    # the average at step 8 the straight run's (seen failing with reshard() taking process 0's share for all).
+    assert len(list((out / "checkpoints" / "step_8").glob("state-ema-rank*.pt"))) == 2
+    assert_same_ema(ref_run[0] / "checkpoints" / "step_8", out / "checkpoints" / "step_8", rel=1e-5)
 
 
 def test_two_processes_continue_on_three(ref_run, three_to_two, tmp_path):
@@ -130,6 +134,7 @@ def test_three_processes_continue_on_one_with_accumulation(ref_run, three_to_two
     assert "written by 3 processes, this run has 1" in proc.stdout
     assert "converting step_4 again: the step_4.universal there cannot be used (it has no manifest" in proc.stdout
     assert_continues(ref_run[0], out, range(5, 9))
+    assert_same_ema(ref_run[0] / "checkpoints" / "step_8", out / "checkpoints" / "step_8", rel=1e-5)
 
 
 def test_a_universal_copy_given_to_resume_names_its_checkpoint(tmp_path):

@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import (
     REPO,
+    assert_same_ema,
     TINY,
     launch,
     launch_cmd,
@@ -33,14 +34,14 @@ from deepseek_zero3.run_dir import checkpoint
 STEPS = ["--max_steps", "10"]
 
 
-def weights(out_dir) -> dict[str, torch.Tensor]:
+def weights(out_dir, name="final") -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    return load_file(Path(out_dir) / "final" / "model.safetensors")
+    return load_file(Path(out_dir) / name / "model.safetensors")
 
 
-def assert_same_weights(a_dir, b_dir, rel=1e-6):
-    a, b = weights(a_dir), weights(b_dir)
+def assert_same_weights(a_dir, b_dir, rel=1e-6, name="final"):
+    a, b = weights(a_dir, name), weights(b_dir, name)
     assert a.keys() == b.keys()
     for name in a:
         diff = (a[name] - b[name]).norm() / a[name].norm()
@@ -107,7 +108,7 @@ def test_resume_is_exact(ref, docs_data, tmp_path):
     the run's settings logged once (seen to fail with the tracker's run id not kept: two W&B ids, two trackio runs)."""
     out, env = tmp_path / "resumed", tracker_env(tmp_path)
     launch(3, *TINY, "--micro_batch_size", "2", "--data_dir", docs_data, "--output_dir", out, "--lr_decay_steps", "10",
-           "--max_steps", "5", "--log_with", "wandb,trackio,tensorboard", env=env)  # fmt: skip
+           "--max_steps", "5", "--log_with", "wandb,trackio,tensorboard", "--ema_decay", "0.9", env=env)  # fmt: skip
     proc = launch(3, "--output_dir", out, "--max_steps", "10", "--resume", "auto", "--log_every", "5", env=env)
     assert "resumed from" in proc.stdout and "step_5" in proc.stdout
     taken = next(l for l in proc.stdout.splitlines() if l.startswith("settings from step_5:"))
@@ -120,6 +121,13 @@ def test_resume_is_exact(ref, docs_data, tmp_path):
     ref_losses = train_records(ref[0])
     assert records[5]["loss"] == pytest.approx(sum(ref_losses[s]["loss"] for s in range(6, 11)) / 5, rel=1e-6)
     assert_same_weights(ref[0], out)
+    # The EMA of the weights (ref_run's too) resumes exactly and its export is a model eval.py scores.
+    assert_same_ema(ref[0] / "checkpoints" / "step_10", out / "checkpoints" / "step_10", rel=1e-6)
+    assert_same_weights(ref[0], out, name="final_ema")
+    report = tmp_path / "ema.json"
+    run([sys.executable, "eval.py", "--model", out / "final_ema", "--dataset", docs_data, "--split", "validation",
+         "--max_length", "32", "--max_documents", "2", "--output_json", report])  # fmt: skip
+    assert json.loads(report.read_text())["token_perplexity"] > 1
     logged = [(r["step"], r["loss"]) for r in records]
     ids, rows, configs = wandb_history(out)
     assert len(ids) == 1 and [row for row in rows if row[1] is not None] == logged, (ids, rows)

@@ -1,0 +1,117 @@
+"""train.py's checkpoint_state(): the one registry of what a checkpoint holds beside model and optimizer
+(run_dir/state.py). The EMA's exact resume on 3, 2 and 1 processes is proven by the runs that share conftest's
+ref_run (test_train.py::test_resume_is_exact, test_reshard.py); here, the registry's own rules with real files and, for
+the check that needs several processes, a real 2-process launch."""
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import REPO, free_port, run
+
+from deepseek_zero3.cli import UserError
+from deepseek_zero3.model import weights
+from deepseek_zero3.run_dir import state
+
+ALONE = SimpleNamespace(process_index=0, num_processes=1, print=print)  # what state.py reads of one process's Accelerator
+
+
+class Counter:
+    """A piece a forker might add: a number every process holds the same."""
+
+    def __init__(self, value=0):
+        self.value, self.restarted = value, False
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, s):
+        self.value = s["value"]
+
+    def restart(self):
+        self.restarted = True
+
+
+class Shares(Counter):
+    """One share per process, with no way to cut it again for another number of processes."""
+
+    sharded = True
+
+
+def test_a_replicated_piece_round_trips_and_a_missing_one_restarts(tmp_path, capsys):
+    state.save(tmp_path, {"counter": Counter(7), "absent": None}, ALONE, finaliser=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state-counter.pt"]
+    loaded, new = Counter(), Counter()
+    state.load(tmp_path, {"counter": loaded, "new": new, "absent": None}, ALONE)
+    assert loaded.value == 7 and not loaded.restarted
+    assert new.restarted and "holds no state 'new' (saved before it existed): it starts fresh" in capsys.readouterr().out
+
+
+def test_a_sharded_piece_resumes_on_its_own_process_count_or_is_refused_naming_it(tmp_path):
+    for rank in range(2):  # as two processes wrote it
+        torch.save({"world_size": 2, "state": {"value": 10 + rank}}, state.shard_file(tmp_path, "shares", rank))
+    mine = Shares()
+    two = SimpleNamespace(process_index=1, num_processes=2, print=print)
+    state.load(tmp_path, {"shares": mine}, two)
+    assert mine.value == 11
+    with pytest.raises(UserError, match=r"its state 'shares' is one share per process of 2 and its object has no "
+                                        r"reshard\(\); resume on 2 processes"):  # fmt: skip
+        state.load(tmp_path, {"shares": Shares()}, ALONE)
+
+
+def test_a_damaged_piece_is_one_line(tmp_path):
+    state.replicated_file(tmp_path, "counter").write_bytes(b"not a torch file")
+    with pytest.raises(UserError, match=r"cannot load checkpoint state 'counter' from .*: UnpicklingError"):
+        state.load(tmp_path, {"counter": Counter()}, ALONE)
+
+
+def test_zero3_partitions_are_cut_again_for_any_process_count():
+    """repartition follows ZeRO-3's layout (ceil(numel / processes) per process, the last zero-padded): 10 elements
+    written by 3 processes (4, 4, 2 + 2 padding) read back by 1, 2 and 4."""
+    whole = torch.arange(10.0)
+    written = [weights.repartition([whole], 10, r, 3) for r in range(3)]
+    assert [len(s) for s in written] == [4, 4, 4] and written[2].tolist() == [8, 9, 0, 0]
+    for world in (1, 2, 4):
+        parts = [weights.repartition(written, 10, r, world) for r in range(world)]
+        assert torch.equal(torch.cat(parts)[:10], whole) and all(len(p) == -(-10 // world) for p in parts)
+
+
+SCRIPT = """
+import sys; sys.path.insert(0, {repo!r})
+from pathlib import Path
+from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs
+from deepseek_zero3.cli import UserError
+from deepseek_zero3.run_dir import state
+
+class Seen:
+    def __init__(self, value): self.value = value
+    def state_dict(self): return {{"value": self.value}}
+    def load_state_dict(self, s): self.value = s["value"]
+
+accelerator = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+rank = accelerator.process_index
+out = Path({out!r})
+state.save(out, {{"same": Seen(1)}}, accelerator, finaliser=rank == 0)
+try:
+    state.save(out, {{"data_position": Seen(rank)}}, accelerator, finaliser=rank == 0)
+except UserError as e:
+    print(f"rank {{rank}} of {{accelerator.num_processes}}: refused: {{e}}", flush=True)
+"""
+
+
+@pytest.mark.launch
+def test_a_piece_the_processes_disagree_on_is_refused_not_saved_as_process_0s(tmp_path):
+    """Accelerate's own registry (register_for_checkpointing) saves process 0's copy and resumes every process with
+    it, silently; a piece here that differs between processes is refused in one line naming it. 2 real processes."""
+    script = tmp_path / "save.py"
+    script.write_text(SCRIPT.format(repo=str(REPO), out=str(tmp_path)))
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    proc = run([torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), str(script)],
+               env={"ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}, timeout=300)  # fmt: skip
+    refused = sorted(line for line in proc.stdout.splitlines() if "refused" in line)
+    assert len(refused) == 2 and refused[0].startswith("rank 0 of 2: refused: checkpoint state 'data_position' "
+                                                       "differs between processes"), proc.stdout  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["save.py", "state-same.pt"]
