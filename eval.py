@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 
 from deepseek_zero3 import cli
 from deepseek_zero3.cli import UserError, field, write_json_atomic
@@ -263,7 +264,21 @@ def check_model_files(flag: str, name: str) -> None:
             models.read_config_json(path / json_name, f"{flag} {name}: {json_name}")
     if flag != "--model":
         return
+    check_model_config(path, f"--model {name}: config.json")
     models.check_weight_files(path, f"--model {name}")
+
+
+def check_model_config(path: Path, where: str) -> None:
+    """A model directory's config.json as transformers reads it, refused in one line where its sizes do not fit
+    together (models.check_architecture, for the types train.py builds) or transformers' validation refuses it (its
+    error is a traceback, and the tokenizer's loading, which reads the config too, would be blamed)."""
+    from transformers import AutoConfig
+
+    models.check_architecture(models.read_config_json(path / "config.json", where), where)
+    try:
+        AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, TypeError, KeyError, StrictDataclassError) as e:
+        raise UserError(f"{where} is refused by transformers: {models.one_line(e)}; fix that field") from None
 
 
 def no_load_report(record: logging.LogRecord) -> bool:
@@ -336,7 +351,7 @@ def load_model(cfg: Config, device: torch.device, ckpt: run_model.RunCheckpoint 
             model, loading = AutoModelForCausalLM.from_pretrained(
                 cfg.model, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True
             )
-    except (OSError, ValueError, TypeError) as e:
+    except (OSError, ValueError, TypeError, StrictDataclassError) as e:
         raise UserError(f"--model {cfg.model}: cannot be loaded ({str(e).splitlines()[0]})") from None
     finally:
         modeling_log.removeFilter(no_load_report)

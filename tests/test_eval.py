@@ -355,6 +355,19 @@ DAMAGED_MODELS = {
         "do not belong together: 6 tensors of another shape than the config says",
     ),
     "a layer less than the weights": (_edit_config(num_hidden_layers=1), "9 tensors the config has no place for"),
+    # Issue #59: a StrictDataclassClassValidationError traceback, and a RuntimeError in the first forward pass.
+    "heads not dividing hidden_size": (
+        _edit_config(num_attention_heads=3),
+        "config.json has num_attention_heads=3, which does not divide hidden_size=16",
+    ),
+    "KV heads not dividing the heads": (
+        _edit_config(num_key_value_heads=3),
+        "config.json has num_key_value_heads=3, which does not divide num_attention_heads=2",
+    ),
+    "a field of the wrong type": (
+        _edit_config(num_key_value_heads="2"),
+        "config.json is refused by transformers: Validation error for field 'num_key_value_heads'",
+    ),
 }
 
 

@@ -12,6 +12,8 @@ import json
 import math
 from pathlib import Path
 
+from huggingface_hub.errors import StrictDataclassError
+
 from deepseek_zero3.cli import UserError
 
 MODEL_CONFIG_DIR = Path(__file__).resolve().parents[2] / "model_configs"  # the repository's, beside the scripts
@@ -124,6 +126,90 @@ def check_model_fields(d: dict, where: str) -> None:
         must = _bad_value(key, d[key])
         if must:
             raise UserError(f"{where} has {key}={json.dumps(d[key])}; it must be {must}")
+    check_architecture(d, where)
+
+
+def check_architecture(d: dict, where: str) -> None:
+    """Refuse, naming the fields, a config of a supported model_type whose sizes do not fit together. transformers
+    checks some of them as a StrictDataclassClassValidationError traceback, the others not at all: the model then
+    fails in its first forward pass (a RuntimeError in the plan's timing) or, for the routing, sends tokens to experts
+    outside the groups it chose. Fields the dict leaves out take transformers' defaults (eval.py reads any config.json
+    of these types); values of the wrong type are left to transformers' own check."""
+    from transformers import AutoConfig
+
+    if d.get("model_type") not in ARCHITECTURES:
+        return
+    v = {**AutoConfig.for_model(d["model_type"]).to_dict(), **{k: x for k, x in d.items() if x is not None}}
+
+    def ints(*keys: str) -> bool:
+        return all(isinstance(v.get(k), int) and not isinstance(v.get(k), bool) and v[k] >= 1 for k in keys)
+
+    def divisors(n: int) -> str:
+        return ", ".join(str(i) for i in range(1, n + 1) if n % i == 0)
+
+    if d["model_type"] == "llama":
+        if ints("hidden_size", "num_attention_heads") and v["hidden_size"] % v["num_attention_heads"]:
+            raise UserError(
+                f"{where} has num_attention_heads={v['num_attention_heads']}, which does not divide hidden_size="
+                f"{v['hidden_size']} (each head takes an equal share of it); pick one of {divisors(v['hidden_size'])}"
+            )
+        heads = v["num_attention_heads"]
+        kv = d.get("num_key_value_heads") or heads  # transformers' default: one per query head
+        if ints("num_attention_heads") and isinstance(kv, int) and kv >= 1 and heads % kv:
+            raise UserError(
+                f"{where} has num_key_value_heads={kv}, which does not divide num_attention_heads={heads} (each "
+                f"key/value head serves an equal group of query heads); pick one of {divisors(heads)}"
+            )
+        head_dim = d.get("head_dim") or (v["hidden_size"] // heads if ints("hidden_size", "num_attention_heads") else 0)
+        if isinstance(head_dim, int) and head_dim % 2:
+            how = "" if d.get("head_dim") else " (hidden_size / num_attention_heads)"
+            raise UserError(
+                f"{where} has head_dim={head_dim}{how}, an odd number; rotary position embeddings turn pairs of "
+                "dimensions: make it even"
+            )
+        return
+    if ints("num_attention_heads", "num_key_value_heads") and v["num_key_value_heads"] != v["num_attention_heads"]:
+        raise UserError(
+            f"{where} has num_key_value_heads={v['num_key_value_heads']} and num_attention_heads="
+            f"{v['num_attention_heads']}; in a deepseek_v3 model (MLA) every head has its own keys and values from the "
+            "compressed latent: set them equal"
+        )
+    if ints("qk_rope_head_dim") and v["qk_rope_head_dim"] % 2:
+        raise UserError(
+            f"{where} has qk_rope_head_dim={v['qk_rope_head_dim']}, an odd number; rotary position embeddings turn "
+            "pairs of dimensions: make it even"
+        )
+    if not ints("n_routed_experts", "n_group", "topk_group", "num_experts_per_tok"):
+        return
+    experts, groups = v["n_routed_experts"], v["n_group"]
+    if experts % groups:
+        raise UserError(
+            f"{where} has n_group={groups}, which does not divide n_routed_experts={experts} (the router splits the "
+            f"experts into equal groups); pick one of {divisors(experts)}"
+        )
+    per_group = experts // groups
+    if per_group < 2:  # a group's score is the sum of its two best experts' (DeepSeek-V3's group-limited routing)
+        raise UserError(
+            f"{where} has n_routed_experts={experts} in n_group={groups} groups: {per_group} expert per group, and "
+            "the router scores a group by its two best experts; use at most "
+            f"{experts // 2} groups (n_group 1 for no grouping)"
+        )
+    if v["topk_group"] > groups:
+        raise UserError(
+            f"{where} has topk_group={v['topk_group']}, more than its n_group={groups} groups; each token chooses "
+            f"topk_group of them: lower it to at most {groups}"
+        )
+    if v["num_experts_per_tok"] > v["topk_group"] * per_group:
+        raise UserError(
+            f"{where} has num_experts_per_tok={v['num_experts_per_tok']}, more than the "
+            f"{v['topk_group'] * per_group} experts of its topk_group={v['topk_group']} group(s) of {per_group}; "
+            "each token's experts come from the groups it chose: lower it, or raise topk_group"
+        )
+
+
+def one_line(error: Exception, limit: int = 300) -> str:
+    """An exception's message on one line (transformers' validation errors span two: the validator, then why)."""
+    return " ".join(str(error).split())[:limit] or type(error).__name__
 
 
 def build_model_config(d: dict, where: str):
@@ -135,8 +221,8 @@ def build_model_config(d: dict, where: str):
     model_type = d.pop("model_type")
     try:
         config = AutoConfig.for_model(model_type, **d)
-    except (ValueError, TypeError, KeyError) as e:
-        raise UserError(f"{where} is refused by transformers: {str(e).splitlines()[0]}; fix that field") from None
+    except (ValueError, TypeError, KeyError, StrictDataclassError) as e:
+        raise UserError(f"{where} is refused by transformers: {one_line(e)}; fix that field") from None
     known = set(type(config)().to_dict())
     # A leading _ marks transformers' own bookkeeping (_name_or_path, _attn_implementation_autoset), not a setting.
     ignored = sorted(k for k in config.to_dict() if k not in known and not k.startswith("_"))
