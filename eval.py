@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
 import math
 import os
 import re
@@ -281,29 +280,6 @@ def check_model_config(path: Path, where: str) -> None:
         raise UserError(f"{where} is refused by transformers: {models.one_line(e)}; fix that field") from None
 
 
-def no_load_report(record: logging.LogRecord) -> bool:
-    return "LOAD REPORT" not in record.getMessage()
-
-
-def check_weights_match_config(name: str, loading: dict, config_file: str) -> None:
-    """Refuse a model whose weights and config.json disagree: transformers would initialise what is missing or of
-    another shape at random, and drop what the config has no place for, and the perplexity would be another model's."""
-    problems = [
-        f"{len(keys)} {what} (e.g. {', '.join(str(k) for k in sorted(keys)[:2])})"
-        for keys, what in (
-            (loading["missing_keys"], "tensors missing from the weights"),
-            ([k for k, *_ in loading["mismatched_keys"]], "tensors of another shape than the config says"),
-            (loading["unexpected_keys"], "tensors the config has no place for"),
-        )
-        if keys
-    ]
-    if problems:
-        raise UserError(
-            f"--model {name}: its {config_file} and its weights do not belong together: {'; '.join(problems)}; "
-            f"restore the {config_file} saved with the weights"
-        )
-
-
 def model_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.dtype)
     if cfg.dtype == "auto":
@@ -340,22 +316,18 @@ def load_model(cfg: Config, device: torch.device, ckpt: run_model.RunCheckpoint 
 
     dtype = model_dtype(cfg, device)
     tokenizer = load_tokenizer(cfg, ckpt)
-    # Missing, unexpected and mismatched tensors are refused below in one line, so transformers' table of them (its
-    # "LOAD REPORT" warning) is noise before it, and a mismatch is not raised as its traceback.
-    modeling_log = logging.getLogger("transformers.modeling_utils")
-    modeling_log.addFilter(no_load_report)
     try:
-        if ckpt is not None:
-            model, loading = run_model.consolidated_model(ckpt, dtype)
-        else:
-            model, loading = AutoModelForCausalLM.from_pretrained(
-                cfg.model, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True
-            )
+        with models.quiet_load_report():  # what it reports is refused below in one line
+            if ckpt is not None:
+                model, loading = run_model.consolidated_model(ckpt, dtype)
+            else:
+                model, loading = AutoModelForCausalLM.from_pretrained(
+                    cfg.model, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True
+                )
     except (OSError, ValueError, TypeError, StrictDataclassError) as e:
         raise UserError(f"--model {cfg.model}: cannot be loaded ({str(e).splitlines()[0]})") from None
-    finally:
-        modeling_log.removeFilter(no_load_report)
-    check_weights_match_config(cfg.model, loading, "model_config.json" if ckpt is not None else "config.json")
+    config_file = "model_config.json" if ckpt is not None else "config.json"
+    models.check_weights_match_config(f"--model {cfg.model}", Path(cfg.model), loading, config_file)
     if len(tokenizer) > model.config.vocab_size:
         raise UserError(
             f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {model.config.vocab_size}; "

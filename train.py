@@ -298,9 +298,10 @@ def check(cfg: Config, given: set[str], accelerator) -> Run:
     if resume is not None and (resume.path / "model_config.json").is_file():
         model_config = checkpoint.read_model_config(resume.path)
     else:
-        if cfg.init_from and resume is None:
-            models.check_init_from(cfg.init_from, tokenizer, data.meta["eos_id"])
         model_config = models.load_model_config(cfg.model_config, cfg.init_from, cfg.seq_len, data.meta)
+        if cfg.init_from and resume is None:  # its config's fields and vocabulary first: they need no weights read
+            with distributed.without_zero3_init(accelerator):
+                models.check_init_from(cfg.init_from, tokenizer, data.meta["eos_id"])
     cfg = dataclasses.replace(cfg, mtp_depth=mtp.depth_of(cfg.mtp_depth, model_config))  # -1: the model's own
     launch = distributed.live_launch(accelerator)
     cfg = optimizer_lib.resolve(cfg, given, launch)  # auto: by preset and launch; Muon: unclipped

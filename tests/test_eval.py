@@ -339,7 +339,6 @@ DAMAGED_MODELS = {
     "config.json a list": (lambda d: (d / "config.json").write_text("[]"), "config.json holds a JSON list"),
     "truncated weights": (_truncate("model.safetensors", 5000), "model.safetensors is damaged (Error while deserial"),
     "empty weights": (_truncate("model.safetensors", 0), "model.safetensors is damaged ("),
-    "no weights": (_remove("model.safetensors"), "cannot be loaded (Error no file named model.safetensors"),
     "torn tokenizer.json": (_truncate("tokenizer.json", 300), "tokenizer.json is not valid JSON ("),
     "foreign tokenizer.json": (
         lambda d: (d / "tokenizer.json").write_text('{"version": "1.0", "added_tokens": [], "model": {"type": "x"}}'),
@@ -431,3 +430,145 @@ def test_a_bad_tokenizer_is_named_as_the_tokenizer(where, bare_model, tmp_path, 
     assert ev.main(args) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: --tokenizer {tokenizer}") and err.count("\n") == 1, err
+
+
+# Every layout of weights that transformers reads: one safetensors file (what the fixtures save), pytorch_model.bin,
+# and either of them in shards with an index naming each tensor's shard. Each is rewritten from model.safetensors.
+def _relayout(fmt: str, shards: int):
+    def relayout(model_dir):
+        from safetensors.torch import load_file, save_file
+
+        weights = load_file(str(model_dir / "model.safetensors"))
+        (model_dir / "model.safetensors").unlink()
+        if shards == 1:
+            return torch.save(weights, model_dir / "pytorch_model.bin")
+        stem, suffix = ("model", ".safetensors") if fmt == "safetensors" else ("pytorch_model", ".bin")
+        weight_map = {}
+        for i in range(shards):
+            name = f"{stem}-{i + 1:05d}-of-{shards:05d}{suffix}"
+            part = {k: v for k, v in sorted(weights.items())[i::shards]}
+            save_file(part, str(model_dir / name), {"format": "pt"}) if fmt == "safetensors" else torch.save(
+                part, model_dir / name
+            )
+            weight_map.update(dict.fromkeys(part, name))
+        index = {"metadata": {"total_size": sum(t.nbytes for t in weights.values())}, "weight_map": weight_map}
+        (model_dir / f"{stem}{suffix}.index.json").write_text(json.dumps(index))
+
+    return relayout
+
+
+LAYOUTS = {
+    "model.safetensors": lambda model_dir: None,
+    "pytorch_model.bin": _relayout("bin", 1),
+    "sharded safetensors": _relayout("safetensors", 3),
+    "sharded bin": _relayout("bin", 3),
+}
+ST_INDEX, BIN_INDEX = "model.safetensors.index.json", "pytorch_model.bin.index.json"
+ST_SHARD, BIN_SHARD = "model-{:05d}-of-00003.safetensors", "pytorch_model-{:05d}-of-00003.bin"
+
+
+def _edit_index(name, edit):
+    def edit_index(model_dir):
+        index = json.loads((model_dir / name).read_text())
+        edit(index)
+        (model_dir / name).write_text(json.dumps(index))
+
+    return edit_index
+
+
+def _misplace_a_tensor(index):
+    tensor = sorted(index["weight_map"])[0]
+    index["weight_map"][tensor] = ST_SHARD.format(2 if index["weight_map"][tensor] != ST_SHARD.format(2) else 1)
+
+
+# (layout, damage, what the one error line says). Before issue #59 those marked * were a traceback, those marked ~
+# named no file or blamed another one (the config.json, for a tensor the index misplaced).
+DAMAGED_WEIGHTS = {
+    "sharded safetensors, a shard missing": (
+        "sharded safetensors", _remove(ST_SHARD.format(2)), f"{ST_INDEX} names {ST_SHARD.format(2)}, which is missing"
+    ),
+    "sharded safetensors, the index names a shard that is not there": (
+        "sharded safetensors",
+        _edit_index(ST_INDEX, lambda i: i["weight_map"].update({"lm_head.weight": "model-00004-of-00003.safetensors"})),
+        f"{ST_INDEX} names model-00004-of-00003.safetensors, which is missing",
+    ),
+    "sharded safetensors, an index without weight_map *": (
+        "sharded safetensors",
+        _edit_index(ST_INDEX, lambda i: i.pop("weight_map")),
+        f"{ST_INDEX} has no weight_map",
+    ),
+    "sharded safetensors, a tensor in another shard than the index says ~": (
+        "sharded safetensors",
+        _edit_index(ST_INDEX, _misplace_a_tensor),
+        f"{ST_INDEX} places lm_head.weight in {ST_SHARD.format(2)}, which does not hold it",
+    ),
+    "sharded safetensors, a truncated shard": (
+        "sharded safetensors", _truncate(ST_SHARD.format(1), 100), f"{ST_SHARD.format(1)} is damaged ("
+    ),
+    "pytorch_model.bin truncated *": ("pytorch_model.bin", _truncate("pytorch_model.bin", 3000),
+                                      "pytorch_model.bin is damaged ("),  # fmt: skip
+    "pytorch_model.bin empty *": ("pytorch_model.bin", _truncate("pytorch_model.bin", 0),
+                                  "pytorch_model.bin is damaged ("),  # fmt: skip
+    "pytorch_model.bin not a checkpoint *": (
+        "pytorch_model.bin",
+        lambda d: (d / "pytorch_model.bin").write_bytes(bytes(range(256)) * 20),
+        "pytorch_model.bin is damaged (",
+    ),
+    "pytorch_model.bin holds a list ~": (
+        "pytorch_model.bin",
+        lambda d: torch.save([torch.zeros(2)], d / "pytorch_model.bin"),
+        "pytorch_model.bin holds a list, not tensors by name",
+    ),
+    "sharded bin, a truncated shard ~": ("sharded bin", _truncate(BIN_SHARD.format(1), 3000),
+                                         f"{BIN_SHARD.format(1)} is damaged ("),  # fmt: skip
+    "sharded bin, an empty shard *": ("sharded bin", _truncate(BIN_SHARD.format(2), 0),
+                                      f"{BIN_SHARD.format(2)} is damaged ("),  # fmt: skip
+    "sharded bin, a shard missing": (
+        "sharded bin", _remove(BIN_SHARD.format(3)), f"{BIN_INDEX} names {BIN_SHARD.format(3)}, which is missing"
+    ),
+    "sharded bin, a torn index ~": ("sharded bin", _truncate(BIN_INDEX, 50), f"{BIN_INDEX} is not valid JSON ("),
+    "sharded bin, an index without weight_map *": (
+        "sharded bin", _edit_index(BIN_INDEX, lambda i: i.pop("weight_map")), f"{BIN_INDEX} has no weight_map"
+    ),
+    "sharded bin, a foreign tensor set": (
+        "sharded bin",
+        lambda d: [torch.save({"encoder.weight": torch.zeros(2)}, d / BIN_SHARD.format(i)) for i in (1, 2, 3)],
+        "its config.json and its weights do not belong together: 21 tensors missing",
+    ),
+    "no weights ~": (
+        "model.safetensors",
+        _remove("model.safetensors"),
+        "holds no weights (model.safetensors, model.safetensors.index.json, pytorch_model.bin, pytorch_model.bin.ind",
+    ),
+}
+
+
+def test_every_weight_layout_scores_the_same(bare_model, tmp_path):
+    """No layout is refused by the checks below: each scores the same NLL as the safetensors file it was made from."""
+    import shutil
+
+    (tmp_path / "ok.txt").write_text("Some text.\n\nMore text.\n")
+    nll = {}
+    for layout, relayout in LAYOUTS.items():
+        model = tmp_path / layout.replace(" ", "_")
+        shutil.copytree(bare_model, model)
+        relayout(model)
+        nll[layout] = ev.evaluate(ev.Config(model=str(model), dataset=str(tmp_path / "ok.txt")))["nll"]
+    assert len(set(nll.values())) == 1, nll
+
+
+@pytest.mark.parametrize("case", DAMAGED_WEIGHTS, ids=str)
+def test_damaged_weights_in_every_layout_are_refused_in_one_line(case, bare_model, tmp_path, capsys):
+    import shutil
+
+    layout, damage, message = DAMAGED_WEIGHTS[case]
+    model = tmp_path / "model"
+    shutil.copytree(bare_model, model)
+    LAYOUTS[layout](model)
+    damage(model)
+    (tmp_path / "ok.txt").write_text("Some text.\n\nMore text.\n")
+    out = tmp_path / "report.json"
+    code = ev.main(["--model", str(model), "--dataset", str(tmp_path / "ok.txt"), "--output_json", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"error: --model {model}") and message in err, err
+    assert err.count("\n") == 1 and not out.exists(), err

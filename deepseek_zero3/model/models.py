@@ -3,12 +3,15 @@ model's defaults), model directories (their weight files and tokenizer), and the
 
     load_model_config      a preset, config.json or model directory -> the transformers config train.py builds
     read_config_json / check_model_fields / build_model_config   its three checks, also used on checkpoints
-    check_weight_files / load_tokenizer / check_init_from        a model directory's weights and tokenizer
+    check_weight_files / check_weights_fit / load_tokenizer / check_init_from   a model directory's weights
+                                                                             and tokenizer
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -42,6 +45,7 @@ def resolve_model_config(name_or_path: str, flag: str = "--model_config") -> Pat
     preset = MODEL_CONFIG_DIR / f"{name_or_path}.json"
     path = Path(name_or_path).expanduser()
     if flag == "--init_from":  # weights are loaded from that directory: a preset name is not one
+        refuse_run_directory(name_or_path)
         if not (path / "config.json").is_file():
             raise UserError(f"--init_from {name_or_path} is not a Hugging Face model directory (no config.json)")
         return path / "config.json"
@@ -239,17 +243,121 @@ def build_model_config(d: dict, where: str):
     return config
 
 
+# The layouts of weights transformers reads, in the order it looks for them: (the file, the index's shard format).
+WEIGHT_LAYOUTS = (("model.safetensors", None), ("model.safetensors.index.json", ".safetensors"),
+                  ("pytorch_model.bin", None), ("pytorch_model.bin.index.json", ".bin"))  # fmt: skip
+
+
 def check_weight_files(directory: Path, where: str) -> None:
-    """Refuse a model directory whose .safetensors files are truncated or not safetensors, naming the file, before
-    transformers or ZeRO-3's loading raises a traceback on it."""
+    """Refuse, naming the file, a model directory whose weights transformers would fail on with a traceback or with a
+    message that names no file or blames another one, before it or ZeRO-3's loading reads them: no weights in any
+    layout it reads (WEIGHT_LAYOUTS), or in the layout it reads a weight file that is empty, truncated or not of its
+    format, an index that is not JSON or has no weight_map, names a shard that is not there, or (safetensors, whose
+    index says where each tensor is read from) places a tensor in a shard that does not hold it. Reads headers only:
+    a safetensors header, the pickle of a .bin's tensors (memory-mapped, never their bytes). Every .safetensors file
+    of the directory is checked too (the MTP modules' beside the model)."""
+    directory = Path(directory)
+    for weights in sorted(directory.glob("*.safetensors")):
+        _tensor_names(weights, where)
+    layout = next(((name, shard) for name, shard in WEIGHT_LAYOUTS if (directory / name).is_file()), None)
+    if layout is None:
+        raise UserError(
+            f"{where} holds no weights ({', '.join(name for name, _ in WEIGHT_LAYOUTS)} or their shards); copy or "
+            "export the model directory again"
+        )
+    name, shard_format = layout
+    if shard_format is None:
+        _tensor_names(directory / name, where)
+        return
+    index = read_config_json(directory / name, f"{where}: {name}")
+    weight_map = index.get("weight_map")
+    if not (isinstance(weight_map, dict) and weight_map and all(isinstance(v, str) for v in weight_map.values())):
+        raise UserError(
+            f"{where}: {name} has no weight_map (each tensor's shard file); restore the index saved with the shards"
+        )
+    for shard in sorted(set(weight_map.values())):
+        if not (directory / shard).is_file():
+            raise UserError(
+                f"{where}: {name} names {shard}, which is missing from the directory; copy the model directory again"
+            )
+        held = _tensor_names(directory / shard, where)
+        misplaced = sorted(t for t, s in weight_map.items() if s == shard and t not in held)
+        if misplaced and shard_format == ".safetensors":  # a .bin shard is read whole, whatever its index says
+            more = f" (and {len(misplaced) - 1} more)" if len(misplaced) > 1 else ""
+            raise UserError(
+                f"{where}: {name} places {misplaced[0]}{more} in {shard}, which does not hold it; the index is not "
+                "the one saved with these shards: restore it, or copy the model directory again"
+            )
+
+
+def _tensor_names(path: Path, where: str) -> set[str]:
+    """The tensor names of one weight file, or a UserError naming it when it is not a whole file of its format."""
+    import zipfile
+
+    import torch
     from safetensors import SafetensorError, safe_open
 
-    for weights in sorted(Path(directory).glob("*.safetensors")):
+    if path.suffix == ".safetensors":
         try:  # reads the header only, and checks that the tensors it lists fill the file exactly
-            with safe_open(weights, framework="pt"):
-                pass
+            with safe_open(path, framework="pt") as f:
+                return set(f.keys())
         except (SafetensorError, OSError) as e:
-            raise UserError(f"{where}: {weights.name} is damaged ({e}); copy or export the model directory again")
+            raise UserError(
+                f"{where}: {path.name} is damaged ({e}); copy or export the model directory again"
+            ) from None
+    try:  # a zip (torch.save's format since 1.6) is memory-mapped: its tensors' bytes are not read
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+    except Exception as e:  # noqa: BLE001 - EOFError, UnpicklingError, RuntimeError from the zip reader, OSError
+        why = one_line(e).split(". ")[0]  # torch's advice after it is about other causes (trust, weights_only)
+        raise UserError(
+            f"{where}: {path.name} is damaged ({type(e).__name__}{': ' + why if why != type(e).__name__ else ''}); "
+            "copy or export the model directory again"
+        ) from None
+    if not (isinstance(state, dict) and all(isinstance(t, torch.Tensor) for t in state.values())):
+        raise UserError(
+            f"{where}: {path.name} holds a {type(state).__name__}, not tensors by name (a state dict); copy or "
+            "export the model directory again"
+        )
+    return set(state)
+
+
+def _no_load_report(record: logging.LogRecord) -> bool:
+    return "LOAD REPORT" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def quiet_load_report():
+    """Loading without transformers' table of missing, unexpected and mismatched tensors (its "LOAD REPORT"
+    warning): check_weights_match_config refuses them in one line, and the table before it is noise."""
+    log = logging.getLogger("transformers.modeling_utils")
+    log.addFilter(_no_load_report)
+    try:
+        yield
+    finally:
+        log.removeFilter(_no_load_report)
+
+
+def check_weights_match_config(where: str, directory: Path, loading: dict, config_file: str = "config.json") -> None:
+    """Refuse a model whose weights and config (or the index that says where each tensor is) disagree, from
+    transformers' loading info (output_loading_info=True, ignore_mismatched_sizes=True): it would initialise what is
+    missing or of another shape at random and drop what the config has no place for, and the model would be
+    another one."""
+    problems = [
+        f"{len(keys)} {what} (e.g. {', '.join(str(k) for k in sorted(keys)[:2])})"
+        for keys, what in (
+            (loading["missing_keys"], "tensors missing from the weights"),
+            ([k for k, *_ in loading["mismatched_keys"]], "tensors of another shape than the config says"),
+            (loading["unexpected_keys"], "tensors the config has no place for"),
+        )
+        if keys
+    ]
+    if problems:
+        index = [n for n, shards in WEIGHT_LAYOUTS if shards and (Path(directory) / n).is_file()][:1]
+        saved = " and ".join([config_file, *index])
+        raise UserError(
+            f"{where}: its {config_file} and its weights do not belong together: {'; '.join(problems)}; "
+            f"restore the {saved} saved with the weights"
+        )
 
 
 def load_model_config(model_config: str, init_from: str, seq_len: int, meta: dict | None):
@@ -322,19 +430,42 @@ def load_tokenizer(directory: Path, fix: str):
         raise UserError(f"{directory} holds no readable tokenizer ({type(e).__name__}); {fix}") from None
 
 
-def check_init_from(model_dir: str, ours, data_eos_id: int) -> None:
-    """--init_from must be a model directory with whole weight files, trained on the ids the data holds: the same
-    vocabulary (token -> id), the same encoding of a probe text and the same EOS id. A vocabulary size alone says
-    nothing (two 512-token BPEs agree)."""
+def check_weights_fit(model_dir: str) -> None:
+    """--init_from's tensors are the ones its config.json builds, by transformers' own loading (its renames of older
+    layouts included) onto the meta device: names and shapes from the files' headers, no weights read. Unchecked, a
+    foreign tensor set started a run from random weights with a warning. Call it with ZeRO-3's zero.Init off (train.py:
+    distributed.without_zero3_init), which would partition the meta model."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with quiet_load_report():
+            _, loading = AutoModelForCausalLM.from_pretrained(
+                model_dir, device_map="meta", output_loading_info=True, ignore_mismatched_sizes=True
+            )
+    except (OSError, ValueError, TypeError, KeyError, StrictDataclassError) as e:
+        raise UserError(f"--init_from {model_dir}: cannot be loaded ({one_line(e)})") from None
+    check_weights_match_config(f"--init_from {model_dir}", Path(model_dir), loading)
+
+
+def refuse_run_directory(model_dir: str) -> None:
+    """--init_from names a train.py run directory (its config.json holds the run's settings, not a model's)."""
     if (Path(model_dir) / "train_run.json").is_file():  # checkpoint.MARKER: a run directory, not its model
         raise UserError(
             f"--init_from {model_dir} is a train.py run directory; pass the model it exported, --init_from "
             f"{Path(model_dir) / 'final'}"
             + ("" if (Path(model_dir) / "final").is_dir() else " (once the run finishes)")
         )
+
+
+def check_init_from(model_dir: str, ours, data_eos_id: int) -> None:
+    """--init_from must be a model directory with whole weight files, trained on the ids the data holds: the same
+    vocabulary (token -> id), the same encoding of a probe text and the same EOS id. A vocabulary size alone says
+    nothing (two 512-token BPEs agree)."""
+    refuse_run_directory(model_dir)
     if not (Path(model_dir) / "config.json").is_file():
         raise UserError(f"--init_from {model_dir} is not a Hugging Face model directory (no config.json)")
     check_weight_files(Path(model_dir), f"--init_from {model_dir}")
+    check_weights_fit(model_dir)
     theirs = load_tokenizer(
         Path(model_dir), "nothing shows --init_from was trained on the data's ids: copy its tokenizer into it"
     )
