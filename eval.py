@@ -308,14 +308,13 @@ def load_tokenizer(cfg: Config, ckpt: run_model.RunCheckpoint | None):
         ) from None
 
 
-def load_model(cfg: Config, device: torch.device, ckpt: run_model.RunCheckpoint | None):
-    """The model, its tokenizer and the token the first scored token is conditioned on (their files checked by
-    evaluate). A checkpoint's model is built from its ZeRO-3 shards in memory (run_model); any other --model is loaded
-    by from_pretrained."""
+def load_model(cfg: Config, device: torch.device, ckpt: run_model.RunCheckpoint | None, tokenizer):
+    """The model, its tokenizer (load_tokenizer's) and the token the first scored token is conditioned on (their
+    files checked by evaluate). A checkpoint's model is built from its ZeRO-3 shards in memory (run_model); any other
+    --model is loaded by from_pretrained."""
     from transformers import AutoModelForCausalLM
 
     dtype = model_dtype(cfg, device)
-    tokenizer = load_tokenizer(cfg, ckpt)
     try:
         with models.quiet_load_report():  # what it reports is refused below in one line
             if ckpt is not None:
@@ -390,6 +389,20 @@ def packed_data(cfg: Config) -> token_data.TrainingData:
         raise UserError(str(e).replace("--seq_len", "--packed_seq_len")) from None
 
 
+def check_packed_tokenizer(cfg: Config, tokenizer, data: token_data.TrainingData) -> None:
+    """The token ids of --packed_seq_len's directory mean to the model what they meant to the data's tokenizer (the
+    text path tokenizes with the model's own; train.py --init_from checks the same): another 512-token BPE's ids gave
+    a val_bpb of other text, a larger vocabulary's an IndexError in the embedding."""
+    ours = models.load_tokenizer(data.tokenizer_dir, "rebuild the data with prepare_data.py --overwrite")
+    difference = models.tokenizer_difference(tokenizer, ours, data.meta["eos_id"])
+    if difference:
+        raise UserError(
+            f"--dataset {cfg.dataset} was tokenized with another tokenizer than the model's ({difference}), so its "
+            "ids are other text to this model: score the data the model was trained on, or its text with the model's "
+            "own tokenizer (drop --packed_seq_len)"
+        )
+
+
 def score_packed(cfg: Config, state, model, data: token_data.TrainingData) -> dict:
     """train.py's validation of the prepared directory --dataset (the same windows, document masking and weights of
     its sources, --data_mix as the run's; data: packed_data): the val_loss and val_bpb (and per source) that train.py
@@ -455,7 +468,10 @@ def evaluate(cfg: Config) -> dict:
     # read (and refused) before the model is built
     packed = packed_data(cfg) if cfg.packed_seq_len else None
     tasks = harness_tasks.load_tasks(settings) if settings else None
-    model, tokenizer, prefix = load_model(cfg, device, ckpt)
+    tokenizer = load_tokenizer(cfg, ckpt)
+    if packed is not None:
+        check_packed_tokenizer(cfg, tokenizer, packed)
+    model, tokenizer, prefix = load_model(cfg, device, ckpt, tokenizer)
     report = {"model": cfg.model}
     if ckpt is not None:
         report.update(checkpoint=str(ckpt.path), step=ckpt.step)

@@ -572,3 +572,23 @@ def test_damaged_weights_in_every_layout_are_refused_in_one_line(case, bare_mode
     err = capsys.readouterr().err
     assert code == 2 and err.startswith(f"error: --model {model}") and message in err, err
     assert err.count("\n") == 1 and not out.exists(), err
+
+
+def test_packed_data_of_another_tokenizer_is_refused(small_model, docs_data, tmp_path, capsys):
+    """Issue #59: --packed_seq_len scored the token ids of data prepared with another 512-token BPE as if they were the
+    model's (a val_bpb, exit 0), and those of a 1,024-token BPE ended in an IndexError in the embedding (a device-side
+    assert on a GPU). The data's tokenizer must be the model's, as the text path and train.py --init_from require."""
+    import prepare_data
+
+    for vocab, differ in ((512, "the model's 512 tokens, the data's 512"), (1024, "the data's 1024")):
+        data = tmp_path / f"bpe{vocab}"  # the web text alone: another BPE than docs_data's python-docs + web one
+        assert prepare_data.main(["--dataset", str(docs_data.parent / "web.jsonl"), "--tokenizer", f"bpe:{vocab}",
+                                  "--output_dir", str(data), "--num_proc", "1"]) == 0  # fmt: skip
+        capsys.readouterr()
+        out = tmp_path / "report.json"
+        code = ev.main(["--model", str(small_model), "--dataset", str(data), "--split", "validation",
+                        "--packed_seq_len", "32", "--output_json", str(out)])  # fmt: skip
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and not out.exists(), err
+        assert err.startswith(f"error: --dataset {data} was tokenized with another tokenizer than the model's"), err
+        assert differ in err, err

@@ -458,9 +458,8 @@ def refuse_run_directory(model_dir: str) -> None:
 
 
 def check_init_from(model_dir: str, ours, data_eos_id: int) -> None:
-    """--init_from must be a model directory with whole weight files, trained on the ids the data holds: the same
-    vocabulary (token -> id), the same encoding of a probe text and the same EOS id. A vocabulary size alone says
-    nothing (two 512-token BPEs agree)."""
+    """--init_from must be a model directory with whole weight files that fit its config, trained on the ids the data
+    holds (tokenizer_difference; ours: the data's tokenizer)."""
     refuse_run_directory(model_dir)
     if not (Path(model_dir) / "config.json").is_file():
         raise UserError(f"--init_from {model_dir} is not a Hugging Face model directory (no config.json)")
@@ -469,14 +468,23 @@ def check_init_from(model_dir: str, ours, data_eos_id: int) -> None:
     theirs = load_tokenizer(
         Path(model_dir), "nothing shows --init_from was trained on the data's ids: copy its tokenizer into it"
     )
+    difference = tokenizer_difference(theirs, ours, data_eos_id)
+    if difference:
+        raise UserError(
+            f"--init_from {model_dir} was trained with another tokenizer than the data's ({difference}); prepare the "
+            f"data with prepare_data.py --tokenizer {model_dir}"
+        )
+
+
+def tokenizer_difference(model_tokenizer, data_tokenizer, data_eos_id: int) -> str | None:
+    """How a model's tokenizer differs from the one a prepared directory's ids come from (None: it does not): the
+    vocabulary (token -> id), the encoding of a probe text, the EOS id. A vocabulary size alone says nothing (two
+    512-token BPEs agree)."""
     probe = "The tokenizer probe: naïve café, 1234 + x**2\n\n\tdef f(): return 'ok'"
-    if theirs.get_vocab() != ours.get_vocab() or theirs.encode(probe) != ours.encode(probe):
-        raise UserError(
-            f"--init_from {model_dir} was trained with another tokenizer than the data's (vocabularies "
-            f"or encodings differ); prepare the data with prepare_data.py --tokenizer {model_dir}"
-        )
-    if theirs.eos_token_id != data_eos_id:
-        raise UserError(
-            f"--init_from {model_dir} has EOS id {theirs.eos_token_id}, the data {data_eos_id}; prepare the data "
-            f"with prepare_data.py --tokenizer {model_dir}"
-        )
+    if model_tokenizer.get_vocab() != data_tokenizer.get_vocab():
+        return f"other vocabularies: the model's {len(model_tokenizer)} tokens, the data's {len(data_tokenizer)}"
+    if model_tokenizer.encode(probe) != data_tokenizer.encode(probe):
+        return "encodings differ"
+    if model_tokenizer.eos_token_id != data_eos_id:
+        return f"EOS id {model_tokenizer.eos_token_id}, the data's {data_eos_id}"
+    return None
