@@ -103,17 +103,40 @@ MODEL_JSON_FILES = ("config.json", "model.safetensors.index.json", "tokenizer.js
 
 
 def perplexity_report(nll: float, tokens: int, words: int, n_bytes: int, documents: int) -> dict:
-    return {
-        "documents": documents,
-        "tokens": tokens,
-        "words": words,
-        "bytes": n_bytes,
-        "nll": nll,
-        "token_perplexity": math.exp(nll / tokens),
-        "word_perplexity": math.exp(nll / words),
-        "byte_perplexity": math.exp(nll / n_bytes),
-        "bits_per_byte": nll / (n_bytes * math.log(2)),
-    }
+    """The totals and the perplexities per token, word and byte. A perplexity past the float range (exp of a mean NLL
+    over 709.78 nats: text with few words, such as Chinese, which has no spaces) is None, with a note in "notes" that
+    gives its exponent, so the totals are never lost to an OverflowError."""
+    report = {"documents": documents, "tokens": tokens, "words": words, "bytes": n_bytes, "nll": nll}
+    notes = []
+    for unit, count in (("token", tokens), ("word", words), ("byte", n_bytes)):
+        try:
+            report[f"{unit}_perplexity"] = math.exp(nll / count)
+        except OverflowError:
+            report[f"{unit}_perplexity"] = None
+            notes.append(f"{unit}_perplexity: exp(NLL / {unit}s) = exp({nll / count:.6g}) is past the float range; "
+                         f"null here (the text has {count:,} {unit}s for an NLL of {nll:.6g} nats)")  # fmt: skip
+    report["bits_per_byte"] = nll / (n_bytes * math.log(2))
+    return report | ({"notes": notes} if notes else {})
+
+
+def check_finite(report: dict, model, dtype: torch.dtype) -> None:
+    """Refuse a NaN or infinite loss, which was reported as a score with exit 0 (and written into the model card as an
+    empty table), saying why: float16's range (65504) overflowed, or the weights themselves are not finite."""
+    loss = report.get("nll", report.get("val_loss"))
+    if loss is None or math.isfinite(loss):
+        return
+    bad = [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
+    if dtype == torch.float16:
+        why = "the model's activations overflow float16's range (65504" + ("; so do its weights" if bad else "") + \
+              "), as those of a model trained in bfloat16 or float32 can: score it with --dtype bfloat16 or float32"
+    elif bad:
+        why = f"the model's weights are not finite ({len(bad)} tensors, e.g. {bad[0]}), a diverged run's: score an " \
+              "earlier checkpoint"
+    elif dtype != torch.float32:
+        why = f"the model's activations overflow {str(dtype).replace('torch.', '')}: score it with --dtype float32"
+    else:
+        why = "the model's outputs are not finite: score an earlier checkpoint"
+    raise UserError(f"the NLL is {loss} in {str(dtype).replace('torch.', '')}: {why}; nothing was written")
 
 
 def word_count(doc: str) -> int:
@@ -482,6 +505,7 @@ def evaluate(cfg: Config) -> dict:
     if settings is not None:
         results = harness_tasks.run_tasks(model, tokenizer, settings, tasks)
         report.update(harness_tasks.task_report(results, settings))
+    check_finite(report, model, model.dtype)
     report.update(dtype=str(model.dtype).replace("torch.", ""), processes=state.num_processes)
     return report
 
@@ -536,7 +560,9 @@ def print_report(report: dict) -> None:
         for key in ("documents", "tokens", "words", "bytes"):
             print(f"  {key:<17}{report[key]:>14,}")
         for key in ("nll", "token_perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte"):
-            print(f"  {key:<17}{report[key]:>14.4f}")
+            print(f"  {key:<17}{report[key] if report[key] is not None else math.inf:>14.4f}")
+        for note in report.get("notes", []):
+            print(f"  note: {note}")
         print(f"  {report['tokens_per_s']:,.0f} tokens/s ({report['seconds']:.1f}s)")
     if "packed_seq_len" in report:
         print(

@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import sys
 
 import pytest
@@ -592,3 +593,48 @@ def test_packed_data_of_another_tokenizer_is_refused(small_model, docs_data, tmp
         assert code == 2 and err.count("\n") == 1 and not out.exists(), err
         assert err.startswith(f"error: --dataset {data} was tokenized with another tokenizer than the model's"), err
         assert differ in err, err
+
+
+def test_text_without_spaces_reports_an_overflowing_perplexity_as_null(bare_model, tmp_path, capsys):
+    """Issue #59: Chinese has no spaces, so a document is one word, and exp(NLL / words) overflowed at the very end: an
+    OverflowError traceback, the evaluation and its JSON lost. The report keeps every total and the perplexities that
+    fit a float; the one that does not is null in the JSON, with a note saying why, and inf on the console."""
+    (tmp_path / "zh.txt").write_text("语言模型的评估需要很多文字" * 20 + "\n\n" + "今天天气很好我们去公园散步" * 20 + "\n")
+    out = tmp_path / "report.json"
+    assert ev.main(["--model", str(bare_model), "--dataset", str(tmp_path / "zh.txt"), "--output_json", str(out)]) == 0
+    console = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["words"] == 2 and report["nll"] / report["words"] > 710  # past exp's range (709.78)
+    assert report["word_perplexity"] is None and math.isfinite(report["token_perplexity"])
+    assert report["bits_per_byte"] == pytest.approx(report["nll"] / report["bytes"] / math.log(2))
+    assert any(note.startswith("word_perplexity: exp(NLL / words) = exp(") for note in report["notes"]), report
+    assert re.search(r"word_perplexity +inf", console), console
+
+
+@pytest.mark.parametrize("update_card", [False, True])
+def test_a_float16_overflow_is_an_error_not_a_nan_report(bare_model, tmp_path, capsys, update_card):
+    """Issue #59: a model whose activations exceed float16's range (65504), scored with --dtype float16, reported NaN
+    with exit 0, and --update_card said it added the scores while writing an empty table. Now one `error:` line says
+    why and what to use, exit 2, no JSON, the card untouched; bfloat16 scores the same model."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(bare_model, model)
+    weights = load_file(str(model / "model.safetensors"))
+    norm = weights["model.layers.0.post_attention_layernorm.weight"]
+    weights["model.layers.0.post_attention_layernorm.weight"] = torch.full_like(norm, 1e4)  # the MLP's inner ~1e6
+    save_file({k: v.to(torch.bfloat16) for k, v in weights.items()}, str(model / "model.safetensors"))
+    card = "---\nlicense: unknown\n---\n# a model\n"
+    (model / "README.md").write_text(card)
+    (tmp_path / "ok.txt").write_text("Some text.\n\nMore text.\n")
+    out = tmp_path / "report.json"
+    args = ["--model", str(model), "--dataset", str(tmp_path / "ok.txt"), "--output_json", str(out)]
+    code = ev.main([*args, "--dtype", "float16", *(["--update_card"] if update_card else [])])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: the NLL is nan in float16: the model's activations overflow float16's range"), err
+    assert "--dtype bfloat16 or float32" in err and not out.exists()
+    assert (model / "README.md").read_text() == card
+    assert ev.main([*args, "--dtype", "bfloat16"]) == 0 and math.isfinite(json.loads(out.read_text())["nll"])
