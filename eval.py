@@ -34,6 +34,7 @@ import itertools
 import math
 import os
 import re
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -405,11 +406,14 @@ def score_perplexity(cfg: Config, state, loaded: tuple, documents: tuple) -> dic
     return report
 
 
-def packed_data(cfg: Config) -> token_data.TrainingData:
+def packed_data(cfg: Config, state) -> token_data.TrainingData:
     try:
-        return token_data.training_data(cfg.dataset, cfg.packed_seq_len, cfg.eval_tokens, cfg.data_mix)
+        data = token_data.training_data(cfg.dataset, cfg.packed_seq_len, cfg.eval_tokens, cfg.data_mix)
     except UserError as e:  # worded for train.py, whose flag is --seq_len
         raise UserError(str(e).replace("--seq_len", "--packed_seq_len")) from None
+    for note in data.notes if state.is_main_process else ():
+        print(note, file=sys.stderr)
+    return data
 
 
 def check_packed_tokenizer(cfg: Config, tokenizer, data: token_data.TrainingData) -> None:
@@ -489,7 +493,7 @@ def evaluate(cfg: Config) -> dict:
         check_model_files("--tokenizer", cfg.tokenizer)
     docs = load_documents(cfg) if cfg.dataset and not cfg.packed_seq_len else None
     # read (and refused) before the model is built
-    packed = packed_data(cfg) if cfg.packed_seq_len else None
+    packed = packed_data(cfg, state) if cfg.packed_seq_len else None
     tasks = harness_tasks.load_tasks(settings) if settings else None
     tokenizer = load_tokenizer(cfg, ckpt)
     if packed is not None:

@@ -294,6 +294,8 @@ def check(cfg: Config, given: set[str], accelerator) -> Run:
         cfg = branch_settings(cfg, given, resume)
     one_source = resume is not None and "data_mix" not in resume.state  # a run from before mixtures: as it read it
     data = token_data.training_data(cfg.data_dir, cfg.seq_len, cfg.eval_tokens, cfg.data_mix, one_source)
+    for note in data.notes:
+        accelerator.print(note)
     tokenizer = models.load_tokenizer(data.tokenizer_dir, "rebuild the data with prepare_data.py --overwrite")
     if resume is not None and (resume.path / "model_config.json").is_file():
         model_config = checkpoint.read_model_config(resume.path)

@@ -638,3 +638,34 @@ def test_a_float16_overflow_is_an_error_not_a_nan_report(bare_model, tmp_path, c
     assert "--dtype bfloat16 or float32" in err and not out.exists()
     assert (model / "README.md").read_text() == card
     assert ev.main([*args, "--dtype", "bfloat16"]) == 0 and math.isfinite(json.loads(out.read_text())["nll"])
+
+
+def test_special_token_text_in_a_document_is_scored_as_text(docs_data):
+    """Issue #59: the text path tokenized a literal `<|endoftext|>` inside a document as the EOS token, as
+    prepare_data.py did; it is text (the model was trained on it as text)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(docs_data / "tokenizer")
+    doc = "A model card may say: documents end with <|endoftext|> in GPT-2's training data."
+    windows = lmloss.make_windows([doc], tok, tok.eos_token_id, 1024, 1024)
+    assert len(windows) == 1 and tok.eos_token_id not in windows[0][0][1:]  # only the conditioning prefix
+    assert tok.decode(windows[0][1]) == doc
+
+
+def test_packed_data_prepared_before_special_token_text_was_text_carries_a_note(small_model, docs_data, tmp_path,
+                                                                                 capsys):  # fmt: skip
+    """Such data (meta.json without special_tokens_in_documents) is still scored, as train.py still trains on it,
+    with one note saying what may be wrong in it and how to rebuild it."""
+    import shutil
+
+    data = tmp_path / "old"
+    shutil.copytree(docs_data, data)
+    meta = json.loads((data / "meta.json").read_text())
+    del meta["special_tokens_in_documents"]
+    (data / "meta.json").write_text(json.dumps(meta))
+    args = ["--model", str(small_model), "--dataset", str(data), "--split", "validation", "--packed_seq_len", "32",
+            "--eval_tokens", "256"]  # fmt: skip
+    assert ev.main(args) == 0
+    err = capsys.readouterr().err
+    assert f"note: {data} was prepared before special tokens' text in documents was tokenized as text" in err, err
+    assert ev.main([*args[:3], str(docs_data), *args[4:]]) == 0 and "note:" not in capsys.readouterr().err

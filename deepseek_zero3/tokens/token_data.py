@@ -238,6 +238,7 @@ class TrainingData:
     weights: tuple[Fraction, ...]  # each source's share of the samples (mixture.parse_mix), summing to 1
     fingerprint: str  # the data's: the directory's, or a hash of the directories' in order
     tokenizer_dir: Path
+    notes: tuple[str, ...] = ()  # what a reader of this data should know (stale_note), one line each
 
     @property
     def n_windows(self) -> int:
@@ -293,7 +294,20 @@ def training_data(data_dir: str, seq_len: int, eval_tokens: int, data_mix: str =
                 f"--seq_len {seq_len} + 1; give it weight 0 in --data_mix, lower --seq_len, or add data"
             )
     data_print = fingerprint([m["fingerprint"] for m in metas])
-    return TrainingData(metas[0], sources, weights, data_print, Path(dirs[0]) / "tokenizer")
+    notes = tuple(note for d, m in zip(dirs, metas) if (note := stale_note(d, m)))
+    return TrainingData(metas[0], sources, weights, data_print, Path(dirs[0]) / "tokenizer", notes)
+
+
+def stale_note(data_dir: str, meta: dict) -> str | None:
+    """The note on a directory prepared before a special token's text inside a document was tokenized as text
+    (meta.json without special_tokens_in_documents): its documents whose text held one (`<|endoftext|>` in web text
+    about language models) hold that token there, an EOS cutting the document for document masking. Still readable:
+    only such documents differ."""
+    if "special_tokens_in_documents" in meta:
+        return None
+    return (f"note: {data_dir} was prepared before special tokens' text in documents was tokenized as text: a "
+            "document holding e.g. <|endoftext|> as text holds that token there, an end of document; the same "
+            "prepare_data.py command with --overwrite rebuilds it")  # fmt: skip
 
 
 def fingerprint(fingerprints: list[str]) -> str:
