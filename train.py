@@ -37,7 +37,8 @@ from deepseek_zero3.model.lmloss import DEFAULT_CHUNK_TOKENS, document_positions
 from deepseek_zero3.model.lmloss import validation_losses
 from deepseek_zero3.planning import breakdown, plan
 from deepseek_zero3.recipe import optimizer as optimizer_lib
-from deepseek_zero3.recipe.schedule import Schedule, branch_settings, check_schedule_flags, parse_fractions, replan
+from deepseek_zero3.recipe.schedule import Schedule, branch_settings, check_schedule_flags, fitted, parse_fractions
+from deepseek_zero3.recipe.schedule import replan
 from deepseek_zero3.run_dir import card, checkpoint, metrics, reshard, resilience, trackers
 from deepseek_zero3.tokens import token_data
 
@@ -311,7 +312,9 @@ def check(cfg: Config, given: set[str], accelerator) -> Run:
     optimizer_lib.check(cfg, launch)
     batch = token_data.BatchPlan(cfg.micro_batch_size, launch.grad_accum_steps, launch.world_size, cfg.seq_len)
     total_steps = token_data.total_steps_for(cfg.max_steps, cfg.num_epochs, data.n_windows, batch.sequences_per_step)
-    schedule = schedule_for(cfg, total_steps)
+    schedule, note = fitted(schedule_for(cfg, total_steps), "warmup_steps" in given)
+    if note:
+        accelerator.print(note)
     return Run(cfg, data, tokenizer, model_config, launch, batch, total_steps, schedule, resume)
 
 
