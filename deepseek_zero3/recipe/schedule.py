@@ -121,23 +121,19 @@ class Schedule:
         return f"LR schedule {shape}"
 
 
-def fitted(schedule: Schedule, given: bool) -> tuple[Schedule, str | None]:
+def fitted(schedule: Schedule, given: bool = False) -> tuple[Schedule, str | None]:
     """The schedule with a warmup that ends before it goes down (decline_start), and the note to print when it had to
-    be shortened. A warmup as long as the schedule warmed up to its end and never decayed, while describe() promised
-    the decay. The default --warmup_steps (given: False) is shortened to a tenth of the schedule (at most to
-    decline_start); one the command gives is refused. A pure function, so a resumed run (replan) fits it alike."""
+    be shortened: a warmup as long as the schedule warmed up to its end and never decayed, while describe() promised
+    the decay. Such a warmup becomes a tenth of the schedule, whether --warmup_steps was given (given: for the note;
+    a smoke test of a few steps keeps its command line) or its default, so that the schedule stays a pure function of
+    the run's settings: a resumed run (replan) and a decay branch fit it alike."""
     if schedule.warmup_steps <= schedule.decline_start:
         return schedule, None
-    if given:
-        raise UserError(
-            f"--warmup_steps {schedule.warmup_steps} leaves the {schedule.length}-step {schedule.kind} schedule no "
-            f"steps to go down after its warmup: give at most --warmup_steps {schedule.decline_start}, or a longer "
-            "--max_steps or --lr_decay_steps"
-        )
     warmup = min(schedule.length // 10, schedule.decline_start)
+    asked = f"--warmup_steps {schedule.warmup_steps}{'' if given else ' (the default)'}"
     return dataclasses.replace(schedule, warmup_steps=warmup), (
-        f"note: --warmup_steps {schedule.warmup_steps} (the default) does not fit the {schedule.length}-step LR "
-        f"schedule: its warmup is {warmup} steps, a tenth of it (give --warmup_steps to choose)"
+        f"note: {asked} does not fit the {schedule.length}-step {schedule.kind} LR schedule, which would never go "
+        f"down: its warmup is {warmup} step(s), a tenth of it"
     )
 
 
@@ -210,7 +206,7 @@ def branch_settings(cfg, given: set[str], resume):
     ran_schedule = Schedule(cfg.lr, cfg.warmup_steps, length, cfg.min_lr_ratio, cfg.lr_schedule,
                             parse_fractions(cfg.multistep_at, "--multistep_at"), cfg.multistep_factor,
                             cfg.decay_fraction)  # fmt: skip
-    warmup = max(1, fitted(ran_schedule, given=False)[0].warmup_steps)  # a branch at 0 would be none (branch_at)
+    warmup = max(1, fitted(ran_schedule)[0].warmup_steps)  # a branch at 0 would be none (branch_at)
     if start < warmup or cfg.decay_branch > length:
         raise UserError(
             f"--decay_branch {cfg.decay_branch} from step {step}: branch from a checkpoint after the warmup (step "
@@ -229,7 +225,7 @@ def replan(schedule: Schedule, state: dict, given: set[str]) -> str | None:
     keys = {"peak_lr": "lr", "warmup_steps": "warmup_steps", "min_lr_ratio": "min_lr_ratio",
             "branch_at": "decay_start_step", "branch_steps": "decay_branch"}  # Schedule: Config  # fmt: skip
     saved = dataclasses.replace(schedule, length=old, **{k: ran[f] for k, f in keys.items() if f in ran})
-    saved = fitted(saved, given=False)[0]  # as the run fitted it (its warmup was given, or it fitted at its start)
+    saved = fitted(saved)[0]  # as the run fitted it at its start
     if saved == schedule:
         return None
     change = f"the LR of step {step + 1} goes from {saved.lr(taken):.3g} to {schedule.lr(taken):.3g}"
