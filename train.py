@@ -300,6 +300,7 @@ def check(cfg: Config, given: set[str], accelerator) -> Run:
     tokenizer = models.load_tokenizer(data.tokenizer_dir, "rebuild the data with prepare_data.py --overwrite")
     if resume is not None and (resume.path / "model_config.json").is_file():
         model_config = checkpoint.read_model_config(resume.path)
+        checkpoint.check_model_unchanged(cfg, given, model_config, data.meta, accelerator.print)
     else:
         model_config = models.load_model_config(cfg.model_config, cfg.init_from, cfg.seq_len, data.meta)
         if cfg.init_from and resume is None:  # its config's fields and vocabulary first: they need no weights read
