@@ -294,13 +294,15 @@ def check(cfg: Config, given: set[str], accelerator) -> Run:
     if cfg.decay_branch:
         cfg = branch_settings(cfg, given, resume)
     one_source = resume is not None and "data_mix" not in resume.state  # a run from before mixtures: as it read it
-    data = token_data.training_data(cfg.data_dir, cfg.seq_len, cfg.eval_tokens, cfg.data_mix, one_source)
+    known_as = checkpoint.sources_known_as(resume)
+    data = token_data.training_data(cfg.data_dir, cfg.seq_len, cfg.eval_tokens, cfg.data_mix, one_source, known_as)
+    cfg, resume = checkpoint.adopt_source_names(cfg, resume, data.renamed, accelerator.print)
     for note in data.notes:
         accelerator.print(note)
     tokenizer = models.load_tokenizer(data.tokenizer_dir, "rebuild the data with prepare_data.py --overwrite")
     if resume is not None and (resume.path / "model_config.json").is_file():
         model_config = checkpoint.read_model_config(resume.path)
-        checkpoint.check_model_unchanged(cfg, given, model_config, data.meta, accelerator.print)
+        models.check_model_unchanged(cfg, given, model_config, data.meta, accelerator.print)
     else:
         model_config = models.load_model_config(cfg.model_config, cfg.init_from, cfg.seq_len, data.meta)
         if cfg.init_from and resume is None:  # its config's fields and vocabulary first: they need no weights read

@@ -2,6 +2,7 @@
 model's defaults), model directories (their weight files and tokenizer), and the vocabulary taken from the data.
 
     load_model_config      a preset, config.json or model directory -> the transformers config train.py builds
+    architecture / config_differences / check_model_unchanged    a resumed run's model against the file it named
     read_config_json / check_model_fields / build_model_config   its three checks, also used on checkpoints
     check_weight_files / check_weights_fit / load_tokenizer / check_init_from   a model directory's weights
                                                                              and tokenizer
@@ -384,6 +385,55 @@ def load_model_config(model_config: str, init_from: str, seq_len: int, meta: dic
             f"{config.max_position_embeddings}; lower --seq_len or use a config with a longer context"
         )
     return config
+
+
+def architecture(model_config) -> dict:
+    """A model config without names and versions: what makes two configs the same model."""
+    d = model_config.to_diff_dict() if hasattr(model_config, "to_diff_dict") else dict(model_config)
+    ignored = ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures")
+    return {k: v for k, v in d.items() if k not in ignored}
+
+
+def config_differences(ours, theirs) -> str:
+    """The fields in which two model configs differ, as `field ours -> theirs` (a nested dict's, such as
+    rope_parameters, by its own keys); "" when they are the same model."""
+
+    def flat(d: dict) -> dict:
+        out = {}
+        for k, v in d.items():
+            if isinstance(v, dict):  # rope_parameters' keys by their own names: rope_theta as config files spell it
+                out.update({j if k == "rope_parameters" else f"{k}.{j}": w for j, w in v.items()})
+            else:
+                out[k] = v
+        return out
+
+    a, b = flat(architecture(ours)), flat(architecture(theirs))
+    return ", ".join(f"{k} {a.get(k)} -> {b.get(k)}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
+
+
+def check_model_unchanged(cfg, given: set[str], saved_config, meta: dict, say) -> None:
+    """A resumed run's model is its checkpoint's model_config.json. The model the run was started from (--model_config,
+    or --init_from's config.json) may have been edited since: given again on this command, it must still be that
+    model (refused, naming the fields that differ); not given, the run goes on with the checkpoint's model and `say`
+    gives a note (a preset edited for other runs must not stop this one). One that no longer reads (a deleted
+    --init_from directory) is noted likewise."""
+    flag, name = ("--init_from", cfg.init_from) if cfg.init_from else ("--model_config", cfg.model_config)
+    try:
+        named = load_model_config(cfg.model_config, cfg.init_from, cfg.seq_len, meta)
+    except UserError as e:
+        say(f"note: {flag} {name} does not read now ({e}); the run continues with its checkpoint's model_config.json")
+        return
+    differences = config_differences(saved_config, named)
+    if not differences:
+        return
+    if given & {"model_config", "init_from"}:
+        raise UserError(
+            f"cannot resume: {flag} {name} builds another model than the checkpoint's model_config.json "
+            f"({differences}: the checkpoint's -> this file's); drop {flag} to continue the run's model, or start a "
+            "new --output_dir for the edited one"
+        )
+    say(f"note: {flag} {name} has changed since the run started ({differences}); the run continues with the model "
+        "of its checkpoint's model_config.json (the change applies to new runs)")  # fmt: skip
 
 
 # The weights that write into the residual stream: attention's output projection and the MLP's, a dense layer's, a

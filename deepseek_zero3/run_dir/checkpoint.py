@@ -25,6 +25,7 @@ import torch
 
 from deepseek_zero3.cli import UserError, fault, remove, replace_dir, write_atomic, write_json_atomic
 from deepseek_zero3.model import models, mtp
+from deepseek_zero3.tokens import mixture
 
 # Settings that change what a run reports or where it reads and writes, not what it trains: free to change on resume.
 # data_mix as written: the weights it gives are in the run's identity.
@@ -161,6 +162,26 @@ def resume_settings(cfg, given: set[str], resume: Resume, say):
     return cfg, dataclasses.replace(resume, changed=changed)
 
 
+def sources_known_as(resume: Resume | None) -> dict | None:
+    """The names a checkpoint gave the data's sources, in order, and the data's fingerprint (token_data.training_data's
+    known_as); None for a run from before mixtures, or no checkpoint."""
+    if resume is None or not isinstance(resume.state.get("data_mix"), dict):
+        return None
+    return {"names": list(resume.state["data_mix"]), "fingerprint": resume.state.get("data_fingerprint")}
+
+
+def adopt_source_names(cfg, resume: Resume | None, renamed: dict[str, str], say):
+    """A checkpoint whose train.py named sources by their directories (DIRECTORY/name), of the same data: its names
+    in trainer_state.json's data_mix and in the run's --data_mix become today's (renamed: TrainingData.renamed), so
+    the identity compares the same sources. Returns (the run's Config, the Resume)."""
+    if not renamed:
+        return cfg, resume
+    say("sources named by position: " + ", ".join(f"{old} -> {new}" for old, new in renamed.items()))
+    mix = {renamed.get(name, name): weight for name, weight in resume.state["data_mix"].items()}
+    resume = dataclasses.replace(resume, state={**resume.state, "data_mix": mix})
+    return dataclasses.replace(cfg, data_mix=mixture.renamed(cfg.data_mix, renamed)), resume
+
+
 def fresh_start(output_dir) -> str:
     """The advice for a setting no resume can change: a new run, from OUT/final's weights where there are any."""
     final = Path(output_dir) / "final"
@@ -169,59 +190,10 @@ def fresh_start(output_dir) -> str:
     return "start a new --output_dir (this run has no final/ model to --init_from yet)"
 
 
-def _architecture(model_config) -> dict:
-    """A model config without names and versions: what makes two configs the same model."""
-    d = model_config.to_diff_dict() if hasattr(model_config, "to_diff_dict") else dict(model_config)
-    ignored = ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures")
-    return {k: v for k, v in d.items() if k not in ignored}
-
-
 def config_hash(model_config) -> str:
     """What identifies a model's architecture in trainer_state.json: its config without names and versions."""
-    architecture = json.dumps(_architecture(model_config), sort_keys=True, default=str)
+    architecture = json.dumps(models.architecture(model_config), sort_keys=True, default=str)
     return hashlib.sha256(architecture.encode()).hexdigest()[:16]
-
-
-def config_differences(ours, theirs) -> str:
-    """The fields in which two model configs differ, as `field ours -> theirs` (a nested dict's, such as
-    rope_parameters, by its own keys); "" when they are the same model."""
-
-    def flat(d: dict) -> dict:
-        out = {}
-        for k, v in d.items():
-            if isinstance(v, dict):  # rope_parameters' keys by their own names: rope_theta as config files spell it
-                out.update({j if k == "rope_parameters" else f"{k}.{j}": w for j, w in v.items()})
-            else:
-                out[k] = v
-        return out
-
-    a, b = flat(_architecture(ours)), flat(_architecture(theirs))
-    return ", ".join(f"{k} {a.get(k)} -> {b.get(k)}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
-
-
-def check_model_unchanged(cfg, given: set[str], saved_config, meta: dict, say) -> None:
-    """A resumed run's model is its checkpoint's model_config.json. The model the run was started from (--model_config,
-    or --init_from's config.json) may have been edited since: given again on this command, it must still be that
-    model (refused, naming the fields that differ); not given, the run goes on with the checkpoint's model and `say`
-    gives a note (a preset edited for other runs must not stop this one). One that no longer reads (a deleted
-    --init_from directory) is noted likewise."""
-    flag, name = ("--init_from", cfg.init_from) if cfg.init_from else ("--model_config", cfg.model_config)
-    try:
-        named = models.load_model_config(cfg.model_config, cfg.init_from, cfg.seq_len, meta)
-    except UserError as e:
-        say(f"note: {flag} {name} does not read now ({e}); the run continues with its checkpoint's model_config.json")
-        return
-    differences = config_differences(saved_config, named)
-    if not differences:
-        return
-    if given & {"model_config", "init_from"}:
-        raise UserError(
-            f"cannot resume: {flag} {name} builds another model than the checkpoint's model_config.json "
-            f"({differences}: the checkpoint's -> this file's); drop {flag} to continue the run's model, or start a "
-            "new --output_dir for the edited one"
-        )
-    say(f"note: {flag} {name} has changed since the run started ({differences}); the run continues with the model "
-        "of its checkpoint's model_config.json (the change applies to new runs)")  # fmt: skip
 
 
 def read_model_config(ckpt: Path):
