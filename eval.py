@@ -31,15 +31,16 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
 import math
 import os
 import re
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 
 from deepseek_zero3 import cli, distributed
 from deepseek_zero3.cli import UserError, field, write_json_atomic
@@ -103,17 +104,40 @@ MODEL_JSON_FILES = ("config.json", "model.safetensors.index.json", "tokenizer.js
 
 
 def perplexity_report(nll: float, tokens: int, words: int, n_bytes: int, documents: int) -> dict:
-    return {
-        "documents": documents,
-        "tokens": tokens,
-        "words": words,
-        "bytes": n_bytes,
-        "nll": nll,
-        "token_perplexity": math.exp(nll / tokens),
-        "word_perplexity": math.exp(nll / words),
-        "byte_perplexity": math.exp(nll / n_bytes),
-        "bits_per_byte": nll / (n_bytes * math.log(2)),
-    }
+    """The totals and the perplexities per token, word and byte. A perplexity past the float range (exp of a mean NLL
+    over 709.78 nats: text with few words, such as Chinese, which has no spaces) is None, with a note in "notes" that
+    gives its exponent, so the totals are never lost to an OverflowError."""
+    report = {"documents": documents, "tokens": tokens, "words": words, "bytes": n_bytes, "nll": nll}
+    notes = []
+    for unit, count in (("token", tokens), ("word", words), ("byte", n_bytes)):
+        try:
+            report[f"{unit}_perplexity"] = math.exp(nll / count)
+        except OverflowError:
+            report[f"{unit}_perplexity"] = None
+            notes.append(f"{unit}_perplexity: exp(NLL / {unit}s) = exp({nll / count:.6g}) is past the float range; "
+                         f"null here (the text has {count:,} {unit}s for an NLL of {nll:.6g} nats)")  # fmt: skip
+    report["bits_per_byte"] = nll / (n_bytes * math.log(2))
+    return report | ({"notes": notes} if notes else {})
+
+
+def check_finite(report: dict, model, dtype: torch.dtype) -> None:
+    """Refuse a NaN or infinite loss, which was reported as a score with exit 0 (and written into the model card as an
+    empty table), saying why: float16's range (65504) overflowed, or the weights themselves are not finite."""
+    loss = report.get("nll", report.get("val_loss"))
+    if loss is None or math.isfinite(loss):
+        return
+    bad = [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
+    if dtype == torch.float16:
+        why = "the model's activations overflow float16's range (65504" + ("; so do its weights" if bad else "") + \
+              "), as those of a model trained in bfloat16 or float32 can: score it with --dtype bfloat16 or float32"
+    elif bad:
+        why = f"the model's weights are not finite ({len(bad)} tensors, e.g. {bad[0]}), a diverged run's: score an " \
+              "earlier checkpoint"
+    elif dtype != torch.float32:
+        why = f"the model's activations overflow {str(dtype).replace('torch.', '')}: score it with --dtype float32"
+    else:
+        why = "the model's outputs are not finite: score an earlier checkpoint"
+    raise UserError(f"the NLL is {loss} in {str(dtype).replace('torch.', '')}: {why}; nothing was written")
 
 
 def word_count(doc: str) -> int:
@@ -263,30 +287,21 @@ def check_model_files(flag: str, name: str) -> None:
             models.read_config_json(path / json_name, f"{flag} {name}: {json_name}")
     if flag != "--model":
         return
+    check_model_config(path, f"--model {name}: config.json")
     models.check_weight_files(path, f"--model {name}")
 
 
-def no_load_report(record: logging.LogRecord) -> bool:
-    return "LOAD REPORT" not in record.getMessage()
+def check_model_config(path: Path, where: str) -> None:
+    """A model directory's config.json as transformers reads it, refused in one line where its sizes do not fit
+    together (models.check_architecture, for the types train.py builds) or transformers' validation refuses it (its
+    error is a traceback, and the tokenizer's loading, which reads the config too, would be blamed)."""
+    from transformers import AutoConfig
 
-
-def check_weights_match_config(name: str, loading: dict, config_file: str) -> None:
-    """Refuse a model whose weights and config.json disagree: transformers would initialise what is missing or of
-    another shape at random, and drop what the config has no place for, and the perplexity would be another model's."""
-    problems = [
-        f"{len(keys)} {what} (e.g. {', '.join(str(k) for k in sorted(keys)[:2])})"
-        for keys, what in (
-            (loading["missing_keys"], "tensors missing from the weights"),
-            ([k for k, *_ in loading["mismatched_keys"]], "tensors of another shape than the config says"),
-            (loading["unexpected_keys"], "tensors the config has no place for"),
-        )
-        if keys
-    ]
-    if problems:
-        raise UserError(
-            f"--model {name}: its {config_file} and its weights do not belong together: {'; '.join(problems)}; "
-            f"restore the {config_file} saved with the weights"
-        )
+    models.check_architecture(models.read_config_json(path / "config.json", where), where)
+    try:
+        AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, TypeError, KeyError, StrictDataclassError) as e:
+        raise UserError(f"{where} is refused by transformers: {models.one_line(e)}; fix that field") from None
 
 
 def model_dtype(cfg: Config, device: torch.device) -> torch.dtype:
@@ -317,30 +332,25 @@ def load_tokenizer(cfg: Config, ckpt: run_model.RunCheckpoint | None):
         ) from None
 
 
-def load_model(cfg: Config, device: torch.device, ckpt: run_model.RunCheckpoint | None):
-    """The model, its tokenizer and the token the first scored token is conditioned on (their files checked by
-    evaluate). A checkpoint's model is built from its ZeRO-3 shards in memory (run_model); any other --model is loaded
-    by from_pretrained."""
+def load_model(cfg: Config, device: torch.device, ckpt: run_model.RunCheckpoint | None, tokenizer):
+    """The model, its tokenizer (load_tokenizer's) and the token the first scored token is conditioned on (their
+    files checked by evaluate). A checkpoint's model is built from its ZeRO-3 shards in memory (run_model); any other
+    --model is loaded by from_pretrained."""
     from transformers import AutoModelForCausalLM
 
     dtype = model_dtype(cfg, device)
-    tokenizer = load_tokenizer(cfg, ckpt)
-    # Missing, unexpected and mismatched tensors are refused below in one line, so transformers' table of them (its
-    # "LOAD REPORT" warning) is noise before it, and a mismatch is not raised as its traceback.
-    modeling_log = logging.getLogger("transformers.modeling_utils")
-    modeling_log.addFilter(no_load_report)
     try:
-        if ckpt is not None:
-            model, loading = run_model.consolidated_model(ckpt, dtype)
-        else:
-            model, loading = AutoModelForCausalLM.from_pretrained(
-                cfg.model, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True
-            )
-    except (OSError, ValueError, TypeError) as e:
+        with models.quiet_load_report():  # what it reports is refused below in one line
+            if ckpt is not None:
+                model, loading = run_model.consolidated_model(ckpt, dtype)
+            else:
+                model, loading = AutoModelForCausalLM.from_pretrained(
+                    cfg.model, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True
+                )
+    except (OSError, ValueError, TypeError, StrictDataclassError) as e:
         raise UserError(f"--model {cfg.model}: cannot be loaded ({str(e).splitlines()[0]})") from None
-    finally:
-        modeling_log.removeFilter(no_load_report)
-    check_weights_match_config(cfg.model, loading, "model_config.json" if ckpt is not None else "config.json")
+    config_file = "model_config.json" if ckpt is not None else "config.json"
+    models.check_weights_match_config(f"--model {cfg.model}", Path(cfg.model), loading, config_file)
     if len(tokenizer) > model.config.vocab_size:
         raise UserError(
             f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {model.config.vocab_size}; "
@@ -396,11 +406,28 @@ def score_perplexity(cfg: Config, state, loaded: tuple, documents: tuple) -> dic
     return report
 
 
-def packed_data(cfg: Config) -> token_data.TrainingData:
+def packed_data(cfg: Config, state) -> token_data.TrainingData:
     try:
-        return token_data.training_data(cfg.dataset, cfg.packed_seq_len, cfg.eval_tokens, cfg.data_mix)
+        data = token_data.training_data(cfg.dataset, cfg.packed_seq_len, cfg.eval_tokens, cfg.data_mix)
     except UserError as e:  # worded for train.py, whose flag is --seq_len
         raise UserError(str(e).replace("--seq_len", "--packed_seq_len")) from None
+    for note in data.notes if state.is_main_process else ():
+        print(note, file=sys.stderr)
+    return data
+
+
+def check_packed_tokenizer(cfg: Config, tokenizer, data: token_data.TrainingData) -> None:
+    """The token ids of --packed_seq_len's directory mean to the model what they meant to the data's tokenizer (the
+    text path tokenizes with the model's own; train.py --init_from checks the same): another 512-token BPE's ids gave
+    a val_bpb of other text, a larger vocabulary's an IndexError in the embedding."""
+    ours = models.load_tokenizer(data.tokenizer_dir, "rebuild the data with prepare_data.py --overwrite")
+    difference = models.tokenizer_difference(tokenizer, ours, data.meta["eos_id"])
+    if difference:
+        raise UserError(
+            f"--dataset {cfg.dataset} was tokenized with another tokenizer than the model's ({difference}), so its "
+            "ids are other text to this model: score the data the model was trained on, or its text with the model's "
+            "own tokenizer (drop --packed_seq_len)"
+        )
 
 
 def score_packed(cfg: Config, state, model, data: token_data.TrainingData) -> dict:
@@ -466,9 +493,12 @@ def evaluate(cfg: Config) -> dict:
         check_model_files("--tokenizer", cfg.tokenizer)
     docs = load_documents(cfg) if cfg.dataset and not cfg.packed_seq_len else None
     # read (and refused) before the model is built
-    packed = packed_data(cfg) if cfg.packed_seq_len else None
+    packed = packed_data(cfg, state) if cfg.packed_seq_len else None
     tasks = harness_tasks.load_tasks(settings) if settings else None
-    model, tokenizer, prefix = load_model(cfg, device, ckpt)
+    tokenizer = load_tokenizer(cfg, ckpt)
+    if packed is not None:
+        check_packed_tokenizer(cfg, tokenizer, packed)
+    model, tokenizer, prefix = load_model(cfg, device, ckpt, tokenizer)
     report = {"model": cfg.model}
     if ckpt is not None:
         report.update(checkpoint=str(ckpt.path), step=ckpt.step)
@@ -479,6 +509,7 @@ def evaluate(cfg: Config) -> dict:
     if settings is not None:
         results = harness_tasks.run_tasks(model, tokenizer, settings, tasks)
         report.update(harness_tasks.task_report(results, settings))
+    check_finite(report, model, model.dtype)
     report.update(dtype=str(model.dtype).replace("torch.", ""), processes=state.num_processes)
     return report
 
@@ -551,7 +582,9 @@ def print_report(report: dict) -> None:
         for key in ("documents", "tokens", "words", "bytes"):
             print(f"  {key:<17}{report[key]:>14,}")
         for key in ("nll", "token_perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte"):
-            print(f"  {key:<17}{report[key]:>14.4f}")
+            print(f"  {key:<17}{report[key] if report[key] is not None else math.inf:>14.4f}")
+        for note in report.get("notes", []):
+            print(f"  note: {note}")
         print(f"  {report['tokens_per_s']:,.0f} tokens/s ({report['seconds']:.1f}s)")
     if "packed_seq_len" in report:
         print(

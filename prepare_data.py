@@ -53,7 +53,8 @@ import numpy as np
 from deepseek_zero3 import cli
 from deepseek_zero3.cli import UserError, field, write_json_atomic
 from deepseek_zero3.data import corpora, token_writer
-from deepseek_zero3.data.tokenizer_pool import PIECE_CHARS, PIECE_CUT, WorkerDied, document_pieces
+from deepseek_zero3.data.tokenizer_pool import PIECE_CHARS, PIECE_CUT, SPECIAL_TOKENS_IN_DOCUMENTS, WorkerDied
+from deepseek_zero3.data.tokenizer_pool import document_pieces
 from deepseek_zero3.tokens import token_data
 
 BPE_EOS = "<|endoftext|>"
@@ -110,6 +111,7 @@ def fingerprint(cfg: Config, sources: list[dict], tokenizer_id: dict) -> str:
         "text_field": cfg.text_field,
         "doc_separator": cfg.doc_separator,
         "validation_fraction": cfg.validation_fraction,
+        "special_tokens_in_documents": SPECIAL_TOKENS_IN_DOCUMENTS,
     }
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
 
@@ -290,6 +292,9 @@ def check_output_dir(out_dir: Path, fp: str, overwrite: bool) -> bool:
         return True
     if not overwrite:
         why = "holds data prepared from other inputs" if intact else "holds damaged prepared data"
+        if intact and "special_tokens_in_documents" not in meta:
+            why = ("was prepared before special tokens' text in documents was tokenized as text (a literal "
+                   "<|endoftext|> in a document became an end of document there)")  # fmt: skip
         raise UserError(f"{out_dir} {why}; pass --overwrite to rebuild it or choose another --output_dir")
     return False
 
@@ -502,6 +507,7 @@ def output_meta(cfg: Config, argv: list[str], tokenizer, dtype: np.dtype, stamp:
         "tokenizer": cfg.tokenizer,
         "tokenizer_identity": stamp["tokenizer_identity"],
         "split_rule": SPLIT_RULE,
+        "special_tokens_in_documents": SPECIAL_TOKENS_IN_DOCUMENTS,
         "splits": {s: split_meta[s] for s in corpora.SPLITS if s in split_meta},
         "sources": [{"name": n, **source} for n, source in zip(source_names(result["sources"]), result["sources"])],
         "fingerprint": stamp["fingerprint"],

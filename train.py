@@ -38,7 +38,8 @@ from deepseek_zero3.model.lmloss import validation_losses
 from deepseek_zero3.planning import breakdown, plan
 from deepseek_zero3.recipe import optimizer as optimizer_lib
 from deepseek_zero3.recipe.ema import EMA
-from deepseek_zero3.recipe.schedule import Schedule, branch_settings, check_schedule_flags, parse_fractions, replan
+from deepseek_zero3.recipe.schedule import Schedule, branch_settings, check_schedule_flags, fitted, parse_fractions
+from deepseek_zero3.recipe.schedule import replan
 from deepseek_zero3.run_dir import card, checkpoint, metrics, reshard, resilience, trackers
 from deepseek_zero3.tokens import token_data
 
@@ -368,14 +369,20 @@ def check(cfg: Config, given: set[str], accelerator) -> Run:
     if cfg.decay_branch:
         cfg = branch_settings(cfg, given, resume)
     one_source = resume is not None and "data_mix" not in resume.state  # a run from before mixtures: as it read it
-    data = token_data.training_data(cfg.data_dir, cfg.seq_len, cfg.eval_tokens, cfg.data_mix, one_source)
+    known_as = checkpoint.sources_known_as(resume)
+    data = token_data.training_data(cfg.data_dir, cfg.seq_len, cfg.eval_tokens, cfg.data_mix, one_source, known_as)
+    cfg, resume = checkpoint.adopt_source_names(cfg, resume, data.renamed, accelerator.print)
+    for note in data.notes:
+        accelerator.print(note)
     tokenizer = models.load_tokenizer(data.tokenizer_dir, "rebuild the data with prepare_data.py --overwrite")
     if resume is not None and (resume.path / "model_config.json").is_file():
         model_config = checkpoint.read_model_config(resume.path)
+        models.check_model_unchanged(cfg, given, model_config, data.meta, accelerator.print)
     else:
-        if cfg.init_from and resume is None:
-            models.check_init_from(cfg.init_from, tokenizer, data.meta["eos_id"])
         model_config = models.load_model_config(cfg.model_config, cfg.init_from, cfg.seq_len, data.meta)
+        if cfg.init_from and resume is None:  # its config's fields and vocabulary first: they need no weights read
+            with distributed.without_zero3_init(accelerator):
+                models.check_init_from(cfg.init_from, tokenizer, data.meta["eos_id"])
     cfg = dataclasses.replace(cfg, mtp_depth=mtp.depth_of(cfg.mtp_depth, model_config))  # -1: the model's own
     launch = distributed.live_launch(accelerator)
     cfg = optimizer_lib.resolve(cfg, given, launch)  # auto: by preset and launch; Muon: unclipped
@@ -383,7 +390,9 @@ def check(cfg: Config, given: set[str], accelerator) -> Run:
     optimizer_lib.check(cfg, launch)
     batch = token_data.BatchPlan(cfg.micro_batch_size, launch.grad_accum_steps, launch.world_size, cfg.seq_len)
     total_steps = token_data.total_steps_for(cfg.max_steps, cfg.num_epochs, data.n_windows, batch.sequences_per_step)
-    schedule = schedule_for(cfg, total_steps)
+    schedule, note = fitted(schedule_for(cfg, total_steps), "warmup_steps" in given)
+    if note:
+        accelerator.print(note)
     return Run(cfg, data, tokenizer, model_config, launch, batch, total_steps, schedule, resume)
 
 

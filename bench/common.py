@@ -206,6 +206,7 @@ def _raw_encode(tokenizer_json: str, docs: list[str], ready, go, results) -> Non
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(tokenizer_json)
+    tok.encode_special_tokens = True  # as prepare_data.py's tokenizer processes read documents
     ready.put(None)
     go.wait()
     n = _count_tokens(tok, docs)

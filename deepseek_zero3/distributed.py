@@ -6,6 +6,7 @@ the same values; before any of it, the build locks that killed launches left in 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -338,3 +339,23 @@ def cpu_fp16_autocast(accelerator) -> None:
     kwargs = accelerator.scaler_handler.to_kwargs() if accelerator.scaler_handler is not None else {}
     accelerator.native_amp = True  # prepare() wraps the model's forward in torch.autocast("cpu", float16)
     accelerator.scaler = torch.amp.GradScaler("cpu", **kwargs)
+
+
+@contextlib.contextmanager
+def without_zero3_init(accelerator):
+    """A block in which transformers does not build models under ZeRO-3's zero.Init: for a model built only to be
+    looked at, on the meta device, which from_pretrained refuses under ZeRO-3. transformers reads ZeRO-3 from the
+    DeepSpeed config Accelerate registers with it (the plugin's dschf, also with zero3_init_flag off): unregistered
+    for the block, the same object registered again after it."""
+    from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+    plugin = accelerator.state.deepspeed_plugin
+    held = getattr(plugin, "dschf", None) if plugin is not None else None
+    if held is None:
+        yield
+        return
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        set_hf_deepspeed_config(held)

@@ -520,3 +520,53 @@ def test_bpe_trains_from_a_stream_of_documents():
     assert tok.eos_token == prepare_data.BPE_EOS and tok.bos_token_id == tok.eos_token_id
     text = "hello world, another document!\n  spaced"
     assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text  # byte-level: exact round trip
+
+
+# --- special tokens' text inside documents (issue #59) ---------------------------------------------------------------
+
+
+SPECIAL_TEXT_DOCS = [
+    "GPT-2 ends each document with <|endoftext|> when it packs text; a tokenizer must not cut here.",
+    "An ordinary document about language models, with no special text in it at all.",
+    "Twice: <|endoftext|><|endoftext|> and the end of the sentence.",
+]
+
+
+@pytest.mark.parametrize("tokenizer", ["bpe:300", "a tokenizer directory"])
+def test_special_token_text_in_a_document_is_text(tokenizer, docs_data, tmp_path):
+    """A literal `<|endoftext|>` in a document's text became the end-of-document id, so document masking cut the
+    document there: for a BPE trained here and for a tokenizer loaded by AutoTokenizer (a Hub id or, here, a directory)
+    alike. Now the text is tokenized as text, and the EOS ids in the token files are exactly one per document."""
+    source = tmp_path / "lm.jsonl"
+    source.write_text("".join(json.dumps({"text": t}) + "\n" for t in SPECIAL_TEXT_DOCS * 40))
+    spec = str(docs_data / "tokenizer") if tokenizer != "bpe:300" else tokenizer
+    out = tmp_path / "data"
+    assert prepare_data.main(["--dataset", str(source), "--tokenizer", spec, "--output_dir", str(out), "--num_proc",
+                              "1", "--validation_fraction", "0.2"]) == 0  # fmt: skip
+    meta = token_data.read_meta(out)
+    for split in ("train", "validation"):
+        tokens = np.asarray(token_data.load_split(out, split, meta))
+        assert int((tokens == meta["eos_id"]).sum()) == meta["splits"][split]["documents"], split
+    assert meta["special_tokens_in_documents"] == "text"
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(out / "tokenizer")
+    tokens = np.asarray(token_data.load_split(out, "train", meta))
+    first = tokens[: int(np.argmax(tokens == meta["eos_id"]))]
+    assert tok.decode(first) in SPECIAL_TEXT_DOCS  # the document whole, its special text included
+
+
+def test_data_prepared_before_special_token_text_was_text_is_rebuilt_not_kept(docs_data, tmp_path):
+    """Data prepared before the fix (meta.json without special_tokens_in_documents) may hold documents cut at such
+    text: the same command no longer calls it up to date, and says why."""
+    copy = tmp_path / "python-docs"
+    shutil.copytree(docs_data, copy)
+    meta = json.loads((copy / "meta.json").read_text())
+    del meta["special_tokens_in_documents"]
+    meta["fingerprint"] = "0" * 64  # what the fingerprint of the same inputs was, without the setting
+    (copy / "meta.json").write_text(json.dumps(meta))
+    proc = run(PREPARE + docs_prepare_args(copy), check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+    assert "was prepared before special tokens' text in documents was tokenized as text" in errors[0], errors
+    assert "--overwrite" in errors[0]

@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import sys
 
 import pytest
@@ -339,7 +340,6 @@ DAMAGED_MODELS = {
     "config.json a list": (lambda d: (d / "config.json").write_text("[]"), "config.json holds a JSON list"),
     "truncated weights": (_truncate("model.safetensors", 5000), "model.safetensors is damaged (Error while deserial"),
     "empty weights": (_truncate("model.safetensors", 0), "model.safetensors is damaged ("),
-    "no weights": (_remove("model.safetensors"), "cannot be loaded (Error no file named model.safetensors"),
     "torn tokenizer.json": (_truncate("tokenizer.json", 300), "tokenizer.json is not valid JSON ("),
     "foreign tokenizer.json": (
         lambda d: (d / "tokenizer.json").write_text('{"version": "1.0", "added_tokens": [], "model": {"type": "x"}}'),
@@ -355,6 +355,19 @@ DAMAGED_MODELS = {
         "do not belong together: 6 tensors of another shape than the config says",
     ),
     "a layer less than the weights": (_edit_config(num_hidden_layers=1), "9 tensors the config has no place for"),
+    # Issue #59: a StrictDataclassClassValidationError traceback, and a RuntimeError in the first forward pass.
+    "heads not dividing hidden_size": (
+        _edit_config(num_attention_heads=3),
+        "config.json has num_attention_heads=3, which does not divide hidden_size=16",
+    ),
+    "KV heads not dividing the heads": (
+        _edit_config(num_key_value_heads=3),
+        "config.json has num_key_value_heads=3, which does not divide num_attention_heads=2",
+    ),
+    "a field of the wrong type": (
+        _edit_config(num_key_value_heads="2"),
+        "config.json is refused by transformers: Validation error for field 'num_key_value_heads'",
+    ),
 }
 
 
@@ -466,3 +479,241 @@ def test_the_first_line_names_device_and_dtype_and_a_hidden_gpu_is_said(bare_mod
     assert err.count("\n") == 1
     monkeypatch.setattr(torch.version, "cuda", None)  # this torch as it is: built without CUDA
     assert first_lines()[1].startswith("note: CUDA_VISIBLE_DEVICES='3' is set, but this torch")
+
+
+# Every layout of weights that transformers reads: one safetensors file (what the fixtures save), pytorch_model.bin,
+# and either of them in shards with an index naming each tensor's shard. Each is rewritten from model.safetensors.
+def _relayout(fmt: str, shards: int):
+    def relayout(model_dir):
+        from safetensors.torch import load_file, save_file
+
+        weights = load_file(str(model_dir / "model.safetensors"))
+        (model_dir / "model.safetensors").unlink()
+        if shards == 1:
+            return torch.save(weights, model_dir / "pytorch_model.bin")
+        stem, suffix = ("model", ".safetensors") if fmt == "safetensors" else ("pytorch_model", ".bin")
+        weight_map = {}
+        for i in range(shards):
+            name = f"{stem}-{i + 1:05d}-of-{shards:05d}{suffix}"
+            part = {k: v for k, v in sorted(weights.items())[i::shards]}
+            save_file(part, str(model_dir / name), {"format": "pt"}) if fmt == "safetensors" else torch.save(
+                part, model_dir / name
+            )
+            weight_map.update(dict.fromkeys(part, name))
+        index = {"metadata": {"total_size": sum(t.nbytes for t in weights.values())}, "weight_map": weight_map}
+        (model_dir / f"{stem}{suffix}.index.json").write_text(json.dumps(index))
+
+    return relayout
+
+
+LAYOUTS = {
+    "model.safetensors": lambda model_dir: None,
+    "pytorch_model.bin": _relayout("bin", 1),
+    "sharded safetensors": _relayout("safetensors", 3),
+    "sharded bin": _relayout("bin", 3),
+}
+ST_INDEX, BIN_INDEX = "model.safetensors.index.json", "pytorch_model.bin.index.json"
+ST_SHARD, BIN_SHARD = "model-{:05d}-of-00003.safetensors", "pytorch_model-{:05d}-of-00003.bin"
+
+
+def _edit_index(name, edit):
+    def edit_index(model_dir):
+        index = json.loads((model_dir / name).read_text())
+        edit(index)
+        (model_dir / name).write_text(json.dumps(index))
+
+    return edit_index
+
+
+def _misplace_a_tensor(index):
+    tensor = sorted(index["weight_map"])[0]
+    index["weight_map"][tensor] = ST_SHARD.format(2 if index["weight_map"][tensor] != ST_SHARD.format(2) else 1)
+
+
+# (layout, damage, what the one error line says). Before issue #59 those marked * were a traceback, those marked ~
+# named no file or blamed another one (the config.json, for a tensor the index misplaced).
+DAMAGED_WEIGHTS = {
+    "sharded safetensors, a shard missing": (
+        "sharded safetensors", _remove(ST_SHARD.format(2)), f"{ST_INDEX} names {ST_SHARD.format(2)}, which is missing"
+    ),
+    "sharded safetensors, the index names a shard that is not there": (
+        "sharded safetensors",
+        _edit_index(ST_INDEX, lambda i: i["weight_map"].update({"lm_head.weight": "model-00004-of-00003.safetensors"})),
+        f"{ST_INDEX} names model-00004-of-00003.safetensors, which is missing",
+    ),
+    "sharded safetensors, an index without weight_map *": (
+        "sharded safetensors",
+        _edit_index(ST_INDEX, lambda i: i.pop("weight_map")),
+        f"{ST_INDEX} has no weight_map",
+    ),
+    "sharded safetensors, a tensor in another shard than the index says ~": (
+        "sharded safetensors",
+        _edit_index(ST_INDEX, _misplace_a_tensor),
+        f"{ST_INDEX} places lm_head.weight in {ST_SHARD.format(2)}, which does not hold it",
+    ),
+    "sharded safetensors, a truncated shard": (
+        "sharded safetensors", _truncate(ST_SHARD.format(1), 100), f"{ST_SHARD.format(1)} is damaged ("
+    ),
+    "pytorch_model.bin truncated *": ("pytorch_model.bin", _truncate("pytorch_model.bin", 3000),
+                                      "pytorch_model.bin is damaged ("),  # fmt: skip
+    "pytorch_model.bin empty *": ("pytorch_model.bin", _truncate("pytorch_model.bin", 0),
+                                  "pytorch_model.bin is damaged ("),  # fmt: skip
+    "pytorch_model.bin not a checkpoint *": (
+        "pytorch_model.bin",
+        lambda d: (d / "pytorch_model.bin").write_bytes(bytes(range(256)) * 20),
+        "pytorch_model.bin is damaged (",
+    ),
+    "pytorch_model.bin holds a list ~": (
+        "pytorch_model.bin",
+        lambda d: torch.save([torch.zeros(2)], d / "pytorch_model.bin"),
+        "pytorch_model.bin holds a list, not tensors by name",
+    ),
+    "sharded bin, a truncated shard ~": ("sharded bin", _truncate(BIN_SHARD.format(1), 3000),
+                                         f"{BIN_SHARD.format(1)} is damaged ("),  # fmt: skip
+    "sharded bin, an empty shard *": ("sharded bin", _truncate(BIN_SHARD.format(2), 0),
+                                      f"{BIN_SHARD.format(2)} is damaged ("),  # fmt: skip
+    "sharded bin, a shard missing": (
+        "sharded bin", _remove(BIN_SHARD.format(3)), f"{BIN_INDEX} names {BIN_SHARD.format(3)}, which is missing"
+    ),
+    "sharded bin, a torn index ~": ("sharded bin", _truncate(BIN_INDEX, 50), f"{BIN_INDEX} is not valid JSON ("),
+    "sharded bin, an index without weight_map *": (
+        "sharded bin", _edit_index(BIN_INDEX, lambda i: i.pop("weight_map")), f"{BIN_INDEX} has no weight_map"
+    ),
+    "sharded bin, a foreign tensor set": (
+        "sharded bin",
+        lambda d: [torch.save({"encoder.weight": torch.zeros(2)}, d / BIN_SHARD.format(i)) for i in (1, 2, 3)],
+        "its config.json and its weights do not belong together: 21 tensors missing",
+    ),
+    "no weights ~": (
+        "model.safetensors",
+        _remove("model.safetensors"),
+        "holds no weights (model.safetensors, model.safetensors.index.json, pytorch_model.bin, pytorch_model.bin.ind",
+    ),
+}
+
+
+def test_every_weight_layout_scores_the_same(bare_model, tmp_path):
+    """No layout is refused by the checks below: each scores the same NLL as the safetensors file it was made from."""
+    import shutil
+
+    (tmp_path / "ok.txt").write_text("Some text.\n\nMore text.\n")
+    nll = {}
+    for layout, relayout in LAYOUTS.items():
+        model = tmp_path / layout.replace(" ", "_")
+        shutil.copytree(bare_model, model)
+        relayout(model)
+        nll[layout] = ev.evaluate(ev.Config(model=str(model), dataset=str(tmp_path / "ok.txt")))["nll"]
+    assert len(set(nll.values())) == 1, nll
+
+
+@pytest.mark.parametrize("case", DAMAGED_WEIGHTS, ids=str)
+def test_damaged_weights_in_every_layout_are_refused_in_one_line(case, bare_model, tmp_path, capsys):
+    import shutil
+
+    layout, damage, message = DAMAGED_WEIGHTS[case]
+    model = tmp_path / "model"
+    shutil.copytree(bare_model, model)
+    LAYOUTS[layout](model)
+    damage(model)
+    (tmp_path / "ok.txt").write_text("Some text.\n\nMore text.\n")
+    out = tmp_path / "report.json"
+    code = ev.main(["--model", str(model), "--dataset", str(tmp_path / "ok.txt"), "--output_json", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"error: --model {model}") and message in err, err
+    assert err.count("\n") == 1 and not out.exists(), err
+
+
+def test_packed_data_of_another_tokenizer_is_refused(small_model, docs_data, tmp_path, capsys):
+    """Issue #59: --packed_seq_len scored the token ids of data prepared with another 512-token BPE as if they were the
+    model's (a val_bpb, exit 0), and those of a 1,024-token BPE ended in an IndexError in the embedding (a device-side
+    assert on a GPU). The data's tokenizer must be the model's, as the text path and train.py --init_from require."""
+    import prepare_data
+
+    for vocab, differ in ((512, "the model's 512 tokens, the data's 512"), (1024, "the data's 1024")):
+        data = tmp_path / f"bpe{vocab}"  # the web text alone: another BPE than docs_data's python-docs + web one
+        assert prepare_data.main(["--dataset", str(docs_data.parent / "web.jsonl"), "--tokenizer", f"bpe:{vocab}",
+                                  "--output_dir", str(data), "--num_proc", "1"]) == 0  # fmt: skip
+        capsys.readouterr()
+        out = tmp_path / "report.json"
+        code = ev.main(["--model", str(small_model), "--dataset", str(data), "--split", "validation",
+                        "--packed_seq_len", "32", "--output_json", str(out)])  # fmt: skip
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and not out.exists(), err
+        assert err.startswith(f"error: --dataset {data} was tokenized with another tokenizer than the model's"), err
+        assert differ in err, err
+
+
+def test_text_without_spaces_reports_an_overflowing_perplexity_as_null(bare_model, tmp_path, capsys):
+    """Issue #59: Chinese has no spaces, so a document is one word, and exp(NLL / words) overflowed at the very end: an
+    OverflowError traceback, the evaluation and its JSON lost. The report keeps every total and the perplexities that
+    fit a float; the one that does not is null in the JSON, with a note saying why, and inf on the console."""
+    (tmp_path / "zh.txt").write_text("语言模型的评估需要很多文字" * 20 + "\n\n" + "今天天气很好我们去公园散步" * 20 + "\n")
+    out = tmp_path / "report.json"
+    assert ev.main(["--model", str(bare_model), "--dataset", str(tmp_path / "zh.txt"), "--output_json", str(out)]) == 0
+    console = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["words"] == 2 and report["nll"] / report["words"] > 710  # past exp's range (709.78)
+    assert report["word_perplexity"] is None and math.isfinite(report["token_perplexity"])
+    assert report["bits_per_byte"] == pytest.approx(report["nll"] / report["bytes"] / math.log(2))
+    assert any(note.startswith("word_perplexity: exp(NLL / words) = exp(") for note in report["notes"]), report
+    assert re.search(r"word_perplexity +inf", console), console
+
+
+@pytest.mark.parametrize("update_card", [False, True])
+def test_a_float16_overflow_is_an_error_not_a_nan_report(bare_model, tmp_path, capsys, update_card):
+    """Issue #59: a model whose activations exceed float16's range (65504), scored with --dtype float16, reported NaN
+    with exit 0, and --update_card said it added the scores while writing an empty table. Now one `error:` line says
+    why and what to use, exit 2, no JSON, the card untouched; bfloat16 scores the same model."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(bare_model, model)
+    weights = load_file(str(model / "model.safetensors"))
+    norm = weights["model.layers.0.post_attention_layernorm.weight"]
+    weights["model.layers.0.post_attention_layernorm.weight"] = torch.full_like(norm, 1e4)  # the MLP's inner ~1e6
+    save_file({k: v.to(torch.bfloat16) for k, v in weights.items()}, str(model / "model.safetensors"))
+    card = "---\nlicense: unknown\n---\n# a model\n"
+    (model / "README.md").write_text(card)
+    (tmp_path / "ok.txt").write_text("Some text.\n\nMore text.\n")
+    out = tmp_path / "report.json"
+    args = ["--model", str(model), "--dataset", str(tmp_path / "ok.txt"), "--output_json", str(out)]
+    code = ev.main([*args, "--dtype", "float16", *(["--update_card"] if update_card else [])])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: the NLL is nan in float16: the model's activations overflow float16's range"), err
+    assert "--dtype bfloat16 or float32" in err and not out.exists()
+    assert (model / "README.md").read_text() == card
+    assert ev.main([*args, "--dtype", "bfloat16"]) == 0 and math.isfinite(json.loads(out.read_text())["nll"])
+
+
+def test_special_token_text_in_a_document_is_scored_as_text(docs_data):
+    """Issue #59: the text path tokenized a literal `<|endoftext|>` inside a document as the EOS token, as
+    prepare_data.py did; it is text (the model was trained on it as text)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(docs_data / "tokenizer")
+    doc = "A model card may say: documents end with <|endoftext|> in GPT-2's training data."
+    windows = lmloss.make_windows([doc], tok, tok.eos_token_id, 1024, 1024)
+    assert len(windows) == 1 and tok.eos_token_id not in windows[0][0][1:]  # only the conditioning prefix
+    assert tok.decode(windows[0][1]) == doc
+
+
+def test_packed_data_prepared_before_special_token_text_was_text_carries_a_note(small_model, docs_data, tmp_path,
+                                                                                 capsys):  # fmt: skip
+    """Such data (meta.json without special_tokens_in_documents) is still scored, as train.py still trains on it,
+    with one note saying what may be wrong in it and how to rebuild it."""
+    import shutil
+
+    data = tmp_path / "old"
+    shutil.copytree(docs_data, data)
+    meta = json.loads((data / "meta.json").read_text())
+    del meta["special_tokens_in_documents"]
+    (data / "meta.json").write_text(json.dumps(meta))
+    args = ["--model", str(small_model), "--dataset", str(data), "--split", "validation", "--packed_seq_len", "32",
+            "--eval_tokens", "256"]  # fmt: skip
+    assert ev.main(args) == 0
+    err = capsys.readouterr().err
+    assert f"note: {data} was prepared before special tokens' text in documents was tokenized as text" in err, err
+    assert ev.main([*args[:3], str(docs_data), *args[4:]]) == 0 and "note:" not in capsys.readouterr().err

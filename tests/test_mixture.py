@@ -210,3 +210,64 @@ def test_a_checkpoint_from_before_mixtures_resumes_as_it_ran(docs_data, tmp_path
     assert "data mix:" not in proc.stdout  # one source: python-docs+web.jsonl
     saved = json.loads((out / "checkpoints" / "step_3" / "trainer_state.json").read_text())
     assert saved["data_mix"] == {"python-docs+web.jsonl": "1"} and saved["config"]["document_masking"] is False
+
+
+# --- sources of the same name in several directories (issue #59) ----------------------------------------------------
+
+
+def test_sources_of_the_same_name_are_named_by_their_order_not_their_directory(docs_data, tmp_path):
+    """Two directories whose sources share names: the later ones are name-2 (as prepare_data.py names a source given
+    twice), not DIRECTORY/name, so renaming or moving a directory changes no name, and a --data_mix keeps its keys. A
+    checkpoint of the train.py that named them by directory is read by position when the data is the same (its
+    fingerprint): its names, in its --data_mix too, become today's."""
+    a, b = tmp_path / "a" / "python-docs", tmp_path / "b" / "python-docs"
+    for d in (a, b):
+        shutil.copytree(docs_data, d)
+    names = ["python-docs", "web.jsonl", "python-docs-2", "web.jsonl-2"]
+    data = token_data.training_data(f"{a},{b}", 32, 0, "python-docs=1,web.jsonl-2=3")
+    assert [s.name for s in data.sources] == names and data.weights == (Fraction(1, 4), 0, 0, Fraction(3, 4))
+    b.rename(tmp_path / "b" / "renamed")
+    moved = token_data.training_data(f"{a},{tmp_path / 'b' / 'renamed'}", 32, 0, "python-docs=1,web.jsonl-2=3")
+    assert [s.name for s in moved.sources] == names and moved.weights == data.weights
+    assert moved.fingerprint == data.fingerprint
+    legacy = ["python-docs", "web.jsonl", "python-docs/python-docs", "python-docs/web.jsonl"]
+    known = {"names": legacy, "fingerprint": data.fingerprint}
+    old = token_data.training_data(f"{a},{tmp_path / 'b' / 'renamed'}", 32, 0, "python-docs/web.jsonl=3,python-docs=1",
+                                   known_as=known)  # fmt: skip
+    assert old.weights == data.weights and old.renamed == dict(zip(legacy[2:], names[2:]))
+    other = {"names": legacy, "fingerprint": "another"}  # other data: names are not matched by position
+    with pytest.raises(UserError, match="no source is named 'python-docs/web.jsonl'"):
+        token_data.training_data(f"{a},{tmp_path / 'b' / 'renamed'}", 32, 0, "python-docs/web.jsonl=3", known_as=other)
+
+
+def test_a_run_resumes_from_a_renamed_data_directory(docs_data, tmp_path):
+    """Issue #59: a run over two directories whose sources share names, one directory renamed, then --resume auto:
+    refused (its source names came from the directory names) and advised to start over with --init_from, losing the
+    optimizer state. The checkpoint here is also one of the train.py before (its trainer_state.json names the second
+    directory's sources by that directory), resumed by position; it trains the steps the straight run trained."""
+    a, b = tmp_path / "a" / "python-docs", tmp_path / "b" / "python-docs"
+    for d in (a, b):
+        shutil.copytree(docs_data, d)
+    args = [*TINY, "--micro_batch_size", "2", "--max_steps", "4", "--save_every", "2"]
+    straight, out = tmp_path / "straight", tmp_path / "out"
+    run([sys.executable, "train.py", *args, "--data_dir", f"{a},{b}", "--output_dir", straight])
+    shutil.copytree(straight, out)
+    shutil.rmtree(out / "checkpoints" / "step_4")
+    shutil.rmtree(out / "final")
+    (out / "checkpoints" / "latest").write_text("step_2\n")
+    state_path = out / "checkpoints" / "step_2" / "trainer_state.json"
+    state = json.loads(state_path.read_text())
+    legacy = {"python-docs-2": "python-docs/python-docs", "web.jsonl-2": "python-docs/web.jsonl"}  # DIRECTORY/name
+    state["data_mix"] = {legacy.get(name, name): weight for name, weight in state["data_mix"].items()}
+    assert list(state["data_mix"]) == ["python-docs", "web.jsonl", "python-docs/python-docs", "python-docs/web.jsonl"]
+    state_path.write_text(json.dumps(state))
+    checkpoint.write_manifest(state_path.parent)  # as the train.py before wrote it
+    renamed = b.rename(tmp_path / "b" / "docs-copy")
+    proc = run([sys.executable, "train.py", "--output_dir", out, "--resume", "auto", "--data_dir", f"{a},{renamed}"])
+    assert "sources named by position: python-docs/python-docs -> python-docs-2, python-docs/web.jsonl -> " \
+           "web.jsonl-2" in proc.stdout, proc.stdout  # fmt: skip
+    x, y = train_records(straight), train_records(out)
+    assert [y[s]["loss"] for s in (3, 4)] == pytest.approx([x[s]["loss"] for s in (3, 4)], rel=1e-6)
+    assert y[4]["tokens/web.jsonl-2"] == x[4]["tokens/web.jsonl-2"]
+    saved = json.loads((out / "checkpoints" / "step_4" / "trainer_state.json").read_text())
+    assert list(saved["data_mix"]) == ["python-docs", "web.jsonl", "python-docs-2", "web.jsonl-2"]

@@ -73,6 +73,46 @@ REFUSED = {
         {**preset("deepseek-v3-tiny"), "q_lora_rank": 0},
         "q_lora_rank=0; it must be an integer >= 1 or null",
     ),
+    # Sizes that do not fit together (issue #59): a StrictDataclassClassValidationError traceback, a RuntimeError in
+    # the first forward pass (the plan's timing), or, for the routing, a model that trains with tokens sent to experts
+    # outside the groups it chose.
+    "heads not dividing hidden_size": (
+        {**preset("tiny"), "num_attention_heads": 3},
+        "has num_attention_heads=3, which does not divide hidden_size=64",
+    ),
+    "KV heads not dividing the heads": (
+        {**preset("tiny"), "num_key_value_heads": 3},
+        "has num_key_value_heads=3, which does not divide num_attention_heads=4",
+    ),
+    "odd head_dim": ({**preset("tiny"), "head_dim": 15}, "has head_dim=15, an odd number"),
+    "KV heads a string": (
+        {**preset("tiny"), "num_key_value_heads": "2"},
+        "is refused by transformers: Validation error for field 'num_key_value_heads'",
+    ),
+    "v3 KV heads other than the heads": (
+        {**preset("deepseek-v3-tiny"), "num_key_value_heads": 2},
+        "has num_key_value_heads=2 and num_attention_heads=4; in a deepseek_v3 model",
+    ),
+    "v3 odd rotary dimension": (
+        {**preset("deepseek-v3-tiny"), "qk_rope_head_dim": 7},
+        "has qk_rope_head_dim=7, an odd number",
+    ),
+    "v3 groups not dividing the experts": (
+        {**preset("deepseek-v3-tiny"), "n_group": 3},
+        "has n_group=3, which does not divide n_routed_experts=8",
+    ),
+    "v3 one expert per group": (
+        {**preset("deepseek-v3-tiny"), "n_group": 8, "topk_group": 2},
+        "has n_routed_experts=8 in n_group=8 groups: 1 expert per group",
+    ),
+    "v3 more groups chosen than there are": (
+        {**preset("deepseek-v3-tiny"), "topk_group": 3},
+        "has topk_group=3, more than its n_group=2 groups",
+    ),
+    "v3 more experts per token than the chosen groups hold": (
+        {**preset("deepseek-v3-tiny"), "num_experts_per_tok": 5},
+        "has num_experts_per_tok=5, more than the 4 experts of its topk_group=1 group(s)",
+    ),
 }
 
 
@@ -145,7 +185,9 @@ def test_presets_and_configs_transformers_writes_still_load(tmp_path):
     assert models.load_model_config("", str(tmp_path / "hub"), 32, None).hidden_size == 64
 
 
-@pytest.mark.parametrize("case", ["torn", "llama without hidden_size"], ids=str)
+@pytest.mark.parametrize(
+    "case", ["torn", "llama without hidden_size", "KV heads not dividing the heads", "v3 one expert per group"], ids=str
+)
 def test_train_plan_refuses_in_one_line(case, tmp_path):
     path = tmp_path / "bad.json"
     if case in DAMAGED:

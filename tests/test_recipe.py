@@ -40,6 +40,50 @@ def test_wsd_decays_over_its_last_fraction(shape, mid):
     assert all(s.lr(i) > s.lr(i + 1) for i in range(15, 19))
 
 
+@pytest.mark.parametrize("kind", ["cosine", "multistep", "wsd"])
+def test_a_warmup_longer_than_the_schedule_is_shortened_so_it_decays(kind):
+    """Issue #59: --max_steps 20 with the default --warmup_steps 30 warmed up for all 20 steps, never reaching the peak
+    or decaying, while the console and the model card said "cosine to 0.0001 at step 20". The default warmup is
+    shortened to a tenth of the schedule (given on the command line too: a smoke test keeps its command), so each kind
+    does what describe() says."""
+    from deepseek_zero3.recipe.schedule import fitted
+
+    s, note = fitted(Schedule(1e-3, 30, 20, 0.1, kind), given=False)
+    assert s.warmup_steps == 2 and f"--warmup_steps 30 (the default) does not fit the 20-step {kind} LR" in note
+    lrs = [s.lr(i) for i in range(20)]
+    assert lrs[1] == 1e-3 and lrs[-1] == pytest.approx(1e-4 if kind != "multistep" else 1e-3 * 0.316**2)
+    assert "warmup 2 steps to 0.001" in s.describe()
+    assert fitted(Schedule(1e-3, 30, 400, 0.1, kind), given=False) == (Schedule(1e-3, 30, 400, 0.1, kind), None)
+    given, note = fitted(Schedule(1e-3, 30, 20, 0.1, kind), given=True)  # the same schedule: a pure function
+    assert given == s and note.startswith(f"note: --warmup_steps 30 does not fit the 20-step {kind} LR schedule")
+    short, _ = fitted(Schedule(1e-3, 30, 1, 0.1), given=False)  # one step: no room for a warmup or a decay
+    assert short.describe() == "LR schedule cosine: no warmup, 0.001 for its one step" and short.lr(0) == 1e-3
+
+
+def test_a_short_run_with_the_default_warmup_decays_as_it_says(docs_data, tmp_path):
+    """A real start (one process, 5 steps, --warmup_steps left at its default 30): the note, the schedule line, and the
+    LRs the run logged, which reach the floor on the last step as the line says."""
+    default_warmup = [a for i, a in enumerate(TINY) if "--warmup_steps" not in TINY[max(0, i - 1) : i + 1]]
+    out = tmp_path / "out"
+    proc = run([sys.executable, "train.py", *default_warmup, "--max_steps", "5", "--micro_batch_size", "2",
+                "--data_dir", docs_data, "--output_dir", out, "--no_eval_at_start"])  # fmt: skip
+    assert "note: --warmup_steps 30 (the default) does not fit the 5-step cosine LR schedule" in proc.stdout
+    assert "LR schedule cosine: no warmup, cosine from 0.003 to 0.0003 at step 5" in proc.stdout, proc.stdout
+    lrs = [r["lr"] for r in train_records(out).values()]
+    assert lrs[0] == 3e-3 and lrs[-1] == pytest.approx(3e-4) and lrs == sorted(lrs, reverse=True)
+    assert "cosine from 0.003 to 0.0003 at step 5" in (out / "final" / "README.md").read_text()
+
+
+def test_a_shortened_warmup_resumes_without_a_change():
+    """replan fits the checkpoint's schedule as the run did: resuming a 20-step run with the default warmup is no
+    change of schedule."""
+    from deepseek_zero3.recipe.schedule import fitted, replan
+
+    schedule, _ = fitted(Schedule(1e-3, 30, 20, 0.1), given=False)
+    state = {"step": 10, "total_steps": 20, "config": {"lr": 1e-3, "warmup_steps": 30, "min_lr_ratio": 0.1}}
+    assert replan(schedule, state, set()) is None
+
+
 def test_decay_branch_decays_from_where_the_schedule_was():
     s = Schedule(1.0, 2, 100, 0.1, "wsd", branch_at=50, branch_steps=4)
     assert [s.lr(i) for i in (49, 50, 51, 52, 53, 60)] == pytest.approx([1.0, 0.775, 0.55, 0.325, 0.1, 0.1])
@@ -63,6 +107,8 @@ def test_branch_starts_where_the_lr_was_after_skipped_steps(tmp_path):
         with pytest.raises(train.UserError, match=re.escape(named)):
             branch_settings(train.Config(**{"decay_branch": 3, "output_dir": str(tmp_path / "b"), **flags}), set(),
                             resume)  # fmt: skip
+    # A 10-step run with the default --warmup_steps 30 warmed up for 1 step (schedule.fitted): step 4 is past it.
+    assert branch_settings(train.Config(decay_branch=3, output_dir=str(tmp_path / "b")), set(), resume).max_steps == 7
 
 
 def test_scaling_laws_reproduce_the_papers_table_2():

@@ -583,3 +583,31 @@ def test_a_write_refused_for_a_long_name_does_not_advise_freeing_space(tmp_path)
     line = str(checkpoint.write_failure(tmp_path / ".tmp-step_2", refused.value, tmp_path / "step_1"))
     assert "File name too long" in line and "free space" not in line, line
     assert "move the run directory to a shorter path and give that as --output_dir" in line, line
+
+
+def test_an_edited_model_config_is_refused_when_given_and_named_when_not(done_run, tmp_path):
+    """Issue #59: a run started from a config file that was edited since (intermediate_size, rope_theta) resumed with
+    no word when the command gave that file again: the model is the checkpoint's model_config.json, so the hash check
+    could never differ. Given again, the edited file is refused with the fields that differ; not given (a preset
+    edited for other runs), the run goes on with the checkpoint's model and a note says so. The run is the finished
+    4-step run stopped after step 2, as if started with --model_config FILE (a copy of the tiny preset)."""
+    out = copy_run(done_run, tmp_path)
+    mine = tmp_path / "mine.json"
+    tiny = json.loads((Path("model_configs") / "tiny.json").read_text())
+    state_path = out / "checkpoints" / "step_2" / "trainer_state.json"
+    state = json.loads(state_path.read_text())
+    state["config"]["model_config"] = str(mine)
+    state_path.write_text(json.dumps(state))
+    from deepseek_zero3.run_dir import checkpoint
+
+    checkpoint.write_manifest(state_path.parent)  # as train.py writes it for a run started with that file
+    mine.write_text(json.dumps({**tiny, "intermediate_size": 352, "rope_theta": 500000.0}))
+    before = tree(out)
+    proc = train("--output_dir", out, "--resume", "auto", "--model_config", mine, check=False)
+    line = assert_refused(proc, 2, f"cannot resume: --model_config {mine} builds another model than the checkpoint's")
+    assert "intermediate_size 176 -> 352" in line and "rope_theta 10000.0 -> 500000.0" in line, line
+    assert tree(out) == before
+    proc = train("--output_dir", out, "--resume", "auto")
+    assert f"note: --model_config {mine} has changed since the run started (intermediate_size 176 -> 352" in proc.stdout
+    a, b = train_records(done_run), train_records(out)
+    assert [b[step]["loss"] for step in (3, 4)] == pytest.approx([a[step]["loss"] for step in (3, 4)], rel=1e-6)

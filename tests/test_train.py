@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from conftest import (
     REPO,
     assert_same_ema,
@@ -218,6 +219,17 @@ def startup_cases(docs_data, tmp_path):
     (small_vocab / "config.json").write_text(json.dumps({**cfg, "vocab_size": 100}))
     for f in (docs_data / "tokenizer").iterdir():  # the data's own tokenizer: only the model's vocab_size is wrong
         (small_vocab / f.name).write_bytes(f.read_bytes())
+    # Weights --init_from cannot start from (issue #59): a torn pytorch_model.bin was a traceback once the run had
+    # built its model, and a foreign tensor set trained from random weights with a warning.
+    torn_weights, foreign_weights = tmp_path / "torn_weights", tmp_path / "foreign_weights"
+    for model in (torn_weights, foreign_weights):
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps(cfg))
+        for f in (docs_data / "tokenizer").iterdir():
+            (model / f.name).write_bytes(f.read_bytes())
+    torch.save({"model.embed_tokens.weight": torch.zeros(512, 64)}, torn_weights / "pytorch_model.bin")
+    (torn_weights / "pytorch_model.bin").write_bytes((torn_weights / "pytorch_model.bin").read_bytes()[:5000])
+    save_file({"encoder.weight": torch.zeros(2, 2)}, str(foreign_weights / "model.safetensors"))
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "notes.txt").write_text("mine")
@@ -232,6 +244,15 @@ def startup_cases(docs_data, tmp_path):
         "foreign data": (["--data_dir", str(foreign)], "not a prepared data directory"),
         "seq_len over context": (["--data_dir", d, "--seq_len", "1024"], "max_position_embeddings=512"),
         "vocab mismatch": (["--data_dir", d, "--init_from", str(small_vocab)], "vocab_size 100"),
+        "init_from torn weights": (
+            ["--data_dir", d, "--init_from", str(torn_weights)],
+            f"--init_from {torn_weights}: pytorch_model.bin is damaged (",
+        ),
+        "init_from foreign weights": (
+            ["--data_dir", d, "--init_from", str(foreign_weights)],
+            f"--init_from {foreign_weights}: its config.json and its weights do not belong together: 21 tensors "
+            "missing from the weights",
+        ),
         "batch size": (["--data_dir", d, "--micro_batch_size", "0"], "--micro_batch_size 0 must be at least 1"),
         "non-empty output": (["--data_dir", d, "--output_dir", str(busy)], "is not empty; pass --resume auto"),
         "unwritable output": (["--data_dir", d, "--output_dir", str(a_file / "out")], "not a writable directory"),
@@ -258,6 +279,8 @@ def startup_cases(docs_data, tmp_path):
         "foreign data",
         "seq_len over context",
         "vocab mismatch",
+        "init_from torn weights",
+        "init_from foreign weights",
         "batch size",
         "non-empty output",
         "unwritable output",

@@ -72,15 +72,15 @@ _worker: dict = {}
 
 def init_tokenizer_worker(tokenizer_dir: str, dtype: str, eos_id: int, threads: bool) -> None:
     """Load the saved tokenizer in this process: the Rust tokenizer when there is a tokenizer.json, else
-    AutoTokenizer."""
+    AutoTokenizer. A document's text is text: a special token's text in it (`<|endoftext|>` in web text about language
+    models) is tokenized as the characters it is, never as that token, which would put an EOS, and so a document
+    boundary, inside the document (SPECIAL_TOKENS_IN_DOCUMENTS); the EOS after a document is appended by its id."""
     os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads else "false"
     if not threads:  # a tokenizer process: Ctrl-C is the main process's to handle (it stops them all)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     path = Path(tokenizer_dir) / "tokenizer.json"
     if path.is_file():
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_file(str(path))
+        tok = text_tokenizer(path)
         tok.no_truncation()
         tok.no_padding()
         encode = lambda texts: [e.ids for e in tok.encode_batch_fast(texts, add_special_tokens=False)]  # noqa: E731
@@ -88,8 +88,24 @@ def init_tokenizer_worker(tokenizer_dir: str, dtype: str, eos_id: int, threads: 
         from transformers import AutoTokenizer
 
         slow = AutoTokenizer.from_pretrained(tokenizer_dir)
-        encode = lambda texts: slow(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
+        encode = lambda texts: slow(  # noqa: E731
+            texts, add_special_tokens=False, split_special_tokens=True
+        )["input_ids"]
     _worker.update(encode=encode, dtype=np.dtype(dtype), eos=eos_id)
+
+
+# How meta.json and the fingerprint record that a special token's text inside a document was tokenized as text (data
+# prepared without this key read it as the token itself: an EOS there cut the document for document masking).
+SPECIAL_TOKENS_IN_DOCUMENTS = "text"
+
+
+def text_tokenizer(tokenizer_json: Path):
+    """The Rust tokenizer of a tokenizer.json, reading special tokens' text as text (encode_special_tokens)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    tok.encode_special_tokens = True
+    return tok
 
 
 def encode_documents(texts: list[str], joined: bool = False, ends: bool = True) -> tuple[np.ndarray, int, float]:
@@ -314,8 +330,6 @@ def cut_problem(tokenizer_dir: Path) -> str | None:
     path = tokenizer_dir / "tokenizer.json"
     if not path.is_file():
         return "no tokenizer.json (a slow, Python tokenizer)"
-    from tokenizers import Tokenizer
-
     spec = json.loads(path.read_text())
     odd = _component_types(spec.get("normalizer")) - CUTTABLE_NORMALIZERS
     if odd:
@@ -329,7 +343,7 @@ def cut_problem(tokenizer_dir: Path) -> str | None:
         lstrip_word = added.get("lstrip") and content[:1].isascii() and content[:1].isalpha()
         if added.get("rstrip") or lstrip_word or any(c.isspace() for c in content):
             return f"its added token {content!r} takes in the whitespace around it"
-    tok = Tokenizer.from_file(str(path))
+    tok = text_tokenizer(path)
     tok.no_truncation()
     text = probe_text()
     cuts = [m.start() for m in PIECE_CUT.finditer(text)]

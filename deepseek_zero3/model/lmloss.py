@@ -147,9 +147,10 @@ def rolling_windows(n_tokens: int, max_length: int, stride: int) -> list[tuple[i
 def make_windows(
     docs: list[str], tokenizer, prefix: int, max_length: int, stride: int
 ) -> list[tuple[list[int], list[int]]]:
-    """(input ids, targets with -100 for context-only positions) of every window of every document."""
+    """(input ids, targets with -100 for context-only positions) of every window of every document. A special token's
+    text in a document is text, as prepare_data.py tokenizes it (a literal `<|endoftext|>` is not an EOS there)."""
     out = []
-    for ids in tokenizer(docs, add_special_tokens=False)["input_ids"]:
+    for ids in tokenizer(docs, add_special_tokens=False, split_special_tokens=True)["input_ids"]:
         seq = [prefix] + ids
         for start, first, end in rolling_windows(len(ids), max_length, stride):
             inputs = seq[start : end - 1]

@@ -69,6 +69,14 @@ class Schedule:
         return self.length - max(1, round(self.decay_fraction * self.length))
 
     @property
+    def decline_start(self) -> int:
+        """The last step the warmup may end on (reaching the peak on the step before) for the schedule to go down
+        after it: cosine's last step, multistep's first cut, the WSD decay's first step."""
+        if self.kind == "multistep":
+            return first_step_past(self.multistep_at[0], self.length)
+        return self.decay_start if self.kind == "wsd" else self.length - 1
+
+    @property
     def floor(self) -> float:
         return self.peak_lr * self.min_lr_ratio
 
@@ -93,7 +101,9 @@ class Schedule:
     def describe(self) -> str:
         """One line for the console: the shape and its boundary steps, numbered as the log numbers them (the step
         logged as k trains with lr(k - 1))."""
-        warm = f"warmup {self.warmup_steps} steps to {self.peak_lr:.3g}"
+        warm = f"warmup {self.warmup_steps} steps to {self.peak_lr:.3g}" if self.warmup_steps else "no warmup"
+        if self.length == 1 and not self.branch_at:  # nothing after the first step: neither a warmup nor a decay
+            return f"LR schedule {self.kind}: no warmup, {self.lr(0):.3g} for its one step"
         if self.kind == "multistep":
             cuts = ", ".join(f"x{self.multistep_factor:g} from step {first_step_past(f, self.length) + 1}"
                              for f in self.multistep_at)  # fmt: skip
@@ -102,12 +112,29 @@ class Schedule:
             shape = (f"wsd: {warm}, constant, {self.decay_shape} decay to {self.floor:.3g} over steps "
                      f"{self.decay_start + 1}-{self.length}")  # fmt: skip
         else:
-            shape = f"cosine: {warm}, cosine to {self.floor:.3g} at step {self.length}"
+            start = "" if self.warmup_steps else f" from {self.peak_lr:.3g}"
+            shape = f"cosine: {warm}, cosine{start} to {self.floor:.3g} at step {self.length}"
         if self.branch_at:
             end = self.branch_at + self.branch_steps
             shape += (f"; decay branch: from step {self.branch_at} ({self.lr(self.branch_at - 1):.3g}) to "
                       f"{self.floor:.3g} at step {end}, {self.decay_shape}")  # fmt: skip
         return f"LR schedule {shape}"
+
+
+def fitted(schedule: Schedule, given: bool = False) -> tuple[Schedule, str | None]:
+    """The schedule with a warmup that ends before it goes down (decline_start), and the note to print when it had to
+    be shortened: a warmup as long as the schedule warmed up to its end and never decayed, while describe() promised
+    the decay. Such a warmup becomes a tenth of the schedule, whether --warmup_steps was given (given: for the note;
+    a smoke test of a few steps keeps its command line) or its default, so that the schedule stays a pure function of
+    the run's settings: a resumed run (replan) and a decay branch fit it alike."""
+    if schedule.warmup_steps <= schedule.decline_start:
+        return schedule, None
+    warmup = min(schedule.length // 10, schedule.decline_start)
+    asked = f"--warmup_steps {schedule.warmup_steps}{'' if given else ' (the default)'}"
+    return dataclasses.replace(schedule, warmup_steps=warmup), (
+        f"note: {asked} does not fit the {schedule.length}-step {schedule.kind} LR schedule, which would never go "
+        f"down: its warmup is {warmup} step(s), a tenth of it"
+    )
 
 
 def parse_fractions(text: str, flag: str) -> tuple[float, ...]:
@@ -176,7 +203,10 @@ def branch_settings(cfg, given: set[str], resume):
     # The schedule runs on the steps taken (a skipped step does not move it): the branch starts where the LR was.
     step, length = resume.state["step"], cfg.lr_decay_steps or resume.state["total_steps"]
     start = step - resume.state.get("skipped_steps", 0)
-    warmup = max(1, cfg.warmup_steps)  # a branch at 0 would be none (Schedule.branch_at)
+    ran_schedule = Schedule(cfg.lr, cfg.warmup_steps, length, cfg.min_lr_ratio, cfg.lr_schedule,
+                            parse_fractions(cfg.multistep_at, "--multistep_at"), cfg.multistep_factor,
+                            cfg.decay_fraction)  # fmt: skip
+    warmup = max(1, fitted(ran_schedule)[0].warmup_steps)  # a branch at 0 would be none (branch_at)
     if start < warmup or cfg.decay_branch > length:
         raise UserError(
             f"--decay_branch {cfg.decay_branch} from step {step}: branch from a checkpoint after the warmup (step "
@@ -195,6 +225,7 @@ def replan(schedule: Schedule, state: dict, given: set[str]) -> str | None:
     keys = {"peak_lr": "lr", "warmup_steps": "warmup_steps", "min_lr_ratio": "min_lr_ratio",
             "branch_at": "decay_start_step", "branch_steps": "decay_branch"}  # Schedule: Config  # fmt: skip
     saved = dataclasses.replace(schedule, length=old, **{k: ran[f] for k, f in keys.items() if f in ran})
+    saved = fitted(saved)[0]  # as the run fitted it at its start
     if saved == schedule:
         return None
     change = f"the LR of step {step + 1} goes from {saved.lr(taken):.3g} to {schedule.lr(taken):.3g}"

@@ -26,6 +26,7 @@ import torch
 from deepseek_zero3.cli import UserError, check_path, fault, resume_policy, remove, replace_dir, write_atomic, write_json_atomic
 from deepseek_zero3.model import models, mtp
 from deepseek_zero3.run_dir import state as state_lib
+from deepseek_zero3.tokens import mixture
 
 # What a checkpoint saved before a setting existed ran with, where that is not the setting's default now.
 BEFORE_THE_FIELD = {"document_masking": False, "lr_schedule": "cosine", "mtp_depth": 0, "optimizer": "adamw"}
@@ -166,6 +167,26 @@ def resume_settings(cfg, given: set[str], resume: Resume, say):
     return cfg, dataclasses.replace(resume, changed=changed)
 
 
+def sources_known_as(resume: Resume | None) -> dict | None:
+    """The names a checkpoint gave the data's sources, in order, and the data's fingerprint (token_data.training_data's
+    known_as); None for a run from before mixtures, or no checkpoint."""
+    if resume is None or not isinstance(resume.state.get("data_mix"), dict):
+        return None
+    return {"names": list(resume.state["data_mix"]), "fingerprint": resume.state.get("data_fingerprint")}
+
+
+def adopt_source_names(cfg, resume: Resume | None, renamed: dict[str, str], say):
+    """A checkpoint whose train.py named sources by their directories (DIRECTORY/name), of the same data: its names
+    in trainer_state.json's data_mix and in the run's --data_mix become today's (renamed: TrainingData.renamed), so
+    the identity compares the same sources. Returns (the run's Config, the Resume)."""
+    if not renamed:
+        return cfg, resume
+    say("sources named by position: " + ", ".join(f"{old} -> {new}" for old, new in renamed.items()))
+    mix = {renamed.get(name, name): weight for name, weight in resume.state["data_mix"].items()}
+    resume = dataclasses.replace(resume, state={**resume.state, "data_mix": mix})
+    return dataclasses.replace(cfg, data_mix=mixture.renamed(cfg.data_mix, renamed)), resume
+
+
 def fresh_start(output_dir) -> str:
     """The advice for a setting no resume can change: a new run, from OUT/final's weights where there are any."""
     final = Path(output_dir) / "final"
@@ -176,10 +197,8 @@ def fresh_start(output_dir) -> str:
 
 def config_hash(model_config) -> str:
     """What identifies a model's architecture in trainer_state.json: its config without names and versions."""
-    d = model_config.to_diff_dict() if hasattr(model_config, "to_diff_dict") else dict(model_config)
-    ignored = ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures")
-    d = {k: v for k, v in d.items() if k not in ignored}
-    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    architecture = json.dumps(models.architecture(model_config), sort_keys=True, default=str)
+    return hashlib.sha256(architecture.encode()).hexdigest()[:16]
 
 
 def read_model_config(ckpt: Path):

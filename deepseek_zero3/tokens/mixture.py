@@ -89,3 +89,15 @@ def parse_mix(spec: str, names: list[str], windows: list[int]) -> tuple[Fraction
     if not any(weights):
         raise UserError(f"--data_mix {spec!r} gives every source weight 0; give at least one a positive weight")
     return normalised(weights)
+
+
+def renamed(spec: str, names: dict[str, str]) -> str:
+    """--data_mix with its source names replaced as `names` says (a checkpoint's names -> today's); the rest as it is,
+    for parse_mix to check."""
+    if not spec or not names:
+        return spec
+    items = []
+    for item in spec.split(","):
+        name, sep, value = item.strip().rpartition("=")
+        items.append(f"{names.get(name.strip(), name.strip())}{sep}{value}" if sep else item)
+    return ",".join(items)

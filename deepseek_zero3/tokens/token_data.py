@@ -239,6 +239,8 @@ class TrainingData:
     weights: tuple[Fraction, ...]  # each source's share of the samples (mixture.parse_mix), summing to 1
     fingerprint: str  # the data's: the directory's, or a hash of the directories' in order
     tokenizer_dir: Path
+    notes: tuple[str, ...] = ()  # what a reader of this data should know (stale_note), one line each
+    renamed: dict[str, str] = dataclasses.field(default_factory=dict)  # a checkpoint's source names -> today's
 
     @property
     def n_windows(self) -> int:
@@ -252,11 +254,17 @@ def data_dirs(data_dir: str) -> list[str]:
     return [d.strip() for d in data_dir.split(",") if d.strip()]
 
 
-def training_data(data_dir: str, seq_len: int, eval_tokens: int, data_mix: str = "", one_source: bool = False):
+def training_data(data_dir: str, seq_len: int, eval_tokens: int, data_mix: str = "", one_source: bool = False,
+                  known_as: dict | None = None):  # fmt: skip
     """What train.py reads from one prepare_data.py directory or several (comma-separated, prepared with the same
     tokenizer), memory-mapped once: each directory's sources and their weights in the mixture, after checking every
     split holds at least one window of seq_len + 1 tokens, and so does every source the mixture draws from.
-    one_source: each directory read as one source, as runs before mixtures read it (a checkpoint of such a run)."""
+    one_source: each directory read as one source, as runs before mixtures read it (a checkpoint of such a run).
+    A source whose name an earlier one has is name-2, name-3 (as prepare_data.py names a source given twice): never
+    a directory's name, so a moved or renamed directory keeps its sources' names and a --data_mix its keys.
+    known_as: {"names": [...], "fingerprint": ...} of a checkpoint, whose train.py may have named the sources
+    otherwise (DIRECTORY/name): when it read this very data (the fingerprint), its names are taken as today's by
+    position, in data_mix too; `renamed` of the result says which."""
     dirs = data_dirs(data_dir)
     if not dirs:
         raise UserError(f"--data_dir {data_dir!r} names no directory; create one with prepare_data.py")
@@ -280,12 +288,16 @@ def training_data(data_dir: str, seq_len: int, eval_tokens: int, data_mix: str =
             val = splits["validation"][slice(*r["validation"])]
             val = val[: eval_tokens + 1] if eval_tokens else val
             taken = {s.name for s in sources}
-            unique = name if name not in taken else f"{Path(d).name}/{name}"
-            base, i = unique, 2
-            while unique in taken:  # the same directory name twice (a/data, b/data): data/x, data/x-2
-                unique, i = f"{base}-{i}", i + 1
+            unique, i = name, 2
+            while unique in taken:
+                unique, i = f"{name}-{i}", i + 1
             bpt = bytes_per_token(meta, None if len(ranges) == 1 else index, "validation")
             sources.append(Source(unique, train, val, num_windows(len(train), seq_len), bpt))
+    data_print = fingerprint([m["fingerprint"] for m in metas])
+    renamed = {}
+    if known_as and known_as.get("fingerprint") == data_print and len(known_as.get("names", [])) == len(sources):
+        renamed = {old: s.name for old, s in zip(known_as["names"], sources) if old != s.name}
+        data_mix = mixture.renamed(data_mix, renamed)
     weights = mixture.parse_mix(data_mix, [s.name for s in sources], [s.n_windows for s in sources])
     for source, weight in zip(sources, weights):
         if weight > 0 and source.n_windows < 1:
@@ -293,8 +305,20 @@ def training_data(data_dir: str, seq_len: int, eval_tokens: int, data_mix: str =
                 f"source {source.name} has {len(source.train_tokens)} training tokens, fewer than one window of "
                 f"--seq_len {seq_len} + 1; give it weight 0 in --data_mix, lower --seq_len, or add data"
             )
-    data_print = fingerprint([m["fingerprint"] for m in metas])
-    return TrainingData(metas[0], sources, weights, data_print, Path(dirs[0]) / "tokenizer")
+    notes = tuple(note for d, m in zip(dirs, metas) if (note := stale_note(d, m)))
+    return TrainingData(metas[0], sources, weights, data_print, Path(dirs[0]) / "tokenizer", notes, renamed)
+
+
+def stale_note(data_dir: str, meta: dict) -> str | None:
+    """The note on a directory prepared before a special token's text inside a document was tokenized as text
+    (meta.json without special_tokens_in_documents): its documents whose text held one (`<|endoftext|>` in web text
+    about language models) hold that token there, an EOS cutting the document for document masking. Still readable:
+    only such documents differ."""
+    if "special_tokens_in_documents" in meta:
+        return None
+    return (f"note: {data_dir} was prepared before special tokens' text in documents was tokenized as text: a "
+            "document holding e.g. <|endoftext|> as text holds that token there, an end of document; the same "
+            "prepare_data.py command with --overwrite rebuilds it")  # fmt: skip
 
 
 def fingerprint(fingerprints: list[str]) -> str:
