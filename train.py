@@ -202,27 +202,25 @@ def get_batch(data: token_data.TrainingData, ids: range, cfg: Config) -> tuple[t
     return inputs, batch[:, 1:], positions
 
 
-def next_token_losses(model, batch: tuple[torch.Tensor, ...], cfg: Config, mtp_scale=None) -> torch.Tensor:
-    """The model's mean next-token NLL; with MTP modules a vector: that loss, then each depth's (mtp.py), the mean over
-    its scored targets or, in training, its summed NLL x mtp_scale (mtp.step_scale: the global batch's mean, shared
-    out)."""
-    inputs, targets, positions = batch
-    depths = mtp.depth_targets(inputs, targets, positions, cfg.mtp_depth) if cfg.mtp_depth else None
-    nll, n = model_nll(model, inputs, targets, cfg.loss_chunk_tokens, positions, depths)  # never all logits at once
-    return (nll / n if mtp_scale is None else torch.cat([nll[:1] / n[:1], nll[1:] * mtp_scale])).float()
-
-
 def lm_loss(model, batch: tuple[torch.Tensor, ...], cfg: Config, mtp_scale=None, balancer=None):
     """The loss of one micro-batch, put together in this one place: (what the step backpropagates, {name: term} of
     what it logs). `loss` is the model's own mean next-token NLL: what the console, metrics.jsonl and the trackers call
-    loss, and what validation measures. DeepSeek-V3's MTP depths add mtp_loss_weight / D x their losses (logged as
-    `mtp_loss_k`), a MoE model its balance loss (`moe_aux_loss`). A term you add here is backpropagated; put it in
-    `logged` too and every log line has its mean over the interval under that name. A z-loss, say (PaLM's, 1e-4 x the
-    squared log-normaliser): nll, n, z = model_nll(..., z_loss=True) gives its sum over the scored tokens, z / n the
-    mean."""
-    losses = next_token_losses(model, batch, cfg, mtp_scale).reshape(-1)
-    objective = mtp.objective(losses, cfg.mtp_loss_weight)  # the loss itself without MTP modules
-    logged = {"loss": losses[0], **{f"mtp_loss_{k}": losses[k] for k in range(1, len(losses))}}
+    loss, and what validation measures. DeepSeek-V3's MTP depths add mtp_loss_weight / D x their losses (`mtp_loss_k`:
+    the mean over its scored targets, or in training its summed NLL x mtp_scale, mtp.step_scale's share of the global
+    batch's mean), a MoE model its balance loss (`moe_aux_loss`). A term you add here is backpropagated; put it in
+    `logged` too and every log line has its mean over the interval under that name. A z-loss (PaLM's), for one:
+        z_loss = (z[0] / n[0]).float()  # the mean squared log-normaliser of the scored tokens
+        objective, logged["z_loss"] = objective + 1e-4 * z_loss, z_loss"""
+    inputs, targets, positions = batch
+    depths = mtp.depth_targets(inputs, targets, positions, cfg.mtp_depth) if cfg.mtp_depth else None
+    nll, n, z = model_nll(model, inputs, targets, cfg.loss_chunk_tokens, positions, depths, z_loss=True)
+    nll, n, z = nll.reshape(-1), n.reshape(-1), z.reshape(-1)  # the model's, then each MTP depth's
+    loss = (nll[0] / n[0]).float()
+    objective, logged = loss, {"loss": loss}
+    if depths:
+        per_depth = (nll[1:] / n[1:] if mtp_scale is None else nll[1:] * mtp_scale).float()
+        objective = mtp.objective(torch.cat([loss[None], per_depth]), cfg.mtp_loss_weight)
+        logged.update({f"mtp_loss_{k}": depth for k, depth in enumerate(per_depth, 1)})
     aux = balancer.aux_loss() if balancer is not None else None
     if aux is not None:
         objective, logged["moe_aux_loss"] = objective + aux, aux
@@ -634,8 +632,14 @@ def train(cfg: Config, given: set[str]) -> int:
             watchdog.beat(step, "checkpoint")
             saved = checkpoint.save_checkpoint(
                 accelerator,
-                checkpoint.Save(ckpt_root, step, run.state_at(step, skips.total), run.model_config, cfg.keep_last,
-                                checkpoint_state(parts)),
+                checkpoint.Save(
+                    ckpt_root,
+                    step,
+                    run.state_at(step, skips.total),
+                    run.model_config,
+                    cfg.keep_last,
+                    checkpoint_state(parts),
+                ),
                 run.resume.kept if run.resume else (),
                 parts.finaliser,
             )

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import train
-from deepseek_zero3.model import mtp, models
+from deepseek_zero3.model import lmloss, mtp, models
 from deepseek_zero3.planning import model_math
 
 EOS = 0
@@ -24,6 +24,15 @@ def build(preset: str, depth: int, seed: int = 0, vocab: int = 512):
     if depth:
         mtp.attach(model, depth, seed)
     return model
+
+
+def depth_losses(model, batch, cfg) -> torch.Tensor:
+    """[main, depth 1, ..] mean losses with their graphs, as train.lm_loss computes them outside training (no step
+    scale), for the tests that backpropagate one of them alone."""
+    inputs, targets, positions = batch
+    depths = mtp.depth_targets(inputs, targets, positions, cfg.mtp_depth)
+    nll, n = lmloss.model_nll(model, inputs, targets, cfg.loss_chunk_tokens, positions, depths)
+    return (nll / n).float()
 
 
 def test_each_depth_predicts_the_token_k_plus_one_ahead():
@@ -85,7 +94,7 @@ def reference_mtp_loss(model, inputs, targets, positions):
     model.config.num_mtp_layers = 1
     reference = MtpModel(model, 1)
     reference.layers.load_state_dict(mtp.modules_of(model).state_dict())
-    (ahead, target), = mtp.depth_targets(inputs, targets, positions, 1)
+    ((ahead, target),) = mtp.depth_targets(inputs, targets, positions, 1)
     hidden = model.model(input_ids=inputs, position_ids=positions, use_cache=False).last_hidden_state
     mask = None
     if positions is not None:
@@ -106,7 +115,7 @@ def test_mtp_loss_is_transformers_mtp_layers_and_reaches_block_and_embedding_alo
     inputs = torch.randint(1, 512, (2, 32))
     targets = torch.randint(1, 512, (2, 32))
     cfg = train.Config(mtp_depth=1, loss_chunk_tokens=16)  # two chunks of 32 tokens
-    losses = train.next_token_losses(model, (inputs, targets, None), cfg)
+    losses = depth_losses(model, (inputs, targets, None), cfg)
     assert losses.shape == (2,)
     reference = reference_mtp_loss(model, inputs, targets, None)
     assert float(losses[1].detach()) == pytest.approx(float(reference), rel=1e-5)
@@ -117,7 +126,7 @@ def test_mtp_loss_is_transformers_mtp_layers_and_reaches_block_and_embedding_alo
     assert grads["mtp.0.eh_proj.weight"].abs().sum() > 0 and grads["lm_head.weight"].abs().sum() > 0
     assert grads["model.embed_tokens.weight"][inputs[:, 1:].unique()].abs().sum() > 0
     model.zero_grad(set_to_none=True)
-    train.next_token_losses(model, (inputs, targets, None), cfg)[0].backward()  # the main loss alone: nothing reaches MTP
+    depth_losses(model, (inputs, targets, None), cfg)[0].backward()  # the main loss alone: nothing reaches MTP
     assert all(p.grad is None or not p.grad.any() for p in mtp.modules_of(model).parameters())
     assert float(mtp.objective(losses.detach(), 0.3)) == pytest.approx(float(losses[0] + 0.3 * losses[1]))
 
@@ -131,7 +140,7 @@ def test_gradient_checkpointing_and_document_masking_keep_the_mtp_loss():
         model = build("deepseek-v3-tiny", 1).train()
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        losses = train.next_token_losses(model, (inputs, targets, positions), train.Config(mtp_depth=1))
+        losses = depth_losses(model, (inputs, targets, positions), train.Config(mtp_depth=1))
         mtp.objective(losses, 0.3).backward()
         grads.append({k: p.grad for k, p in model.named_parameters() if k.startswith("mtp.")})
         masked = reference_mtp_loss(model, inputs, targets, positions)
@@ -205,7 +214,7 @@ def test_half_precision_weights_train_the_modules():
     """bf16 weights (as DeepSpeed's bf16 mode holds them): the modules' loss is finite and reaches them."""
     model = build("deepseek-v3-tiny", 1).to(torch.bfloat16).train()
     inputs = torch.randint(1, 512, (2, 16))
-    losses = train.next_token_losses(model, (inputs, torch.roll(inputs, -1, 1), None), train.Config(mtp_depth=1))
+    losses = depth_losses(model, (inputs, torch.roll(inputs, -1, 1), None), train.Config(mtp_depth=1))
     assert losses.dtype == torch.float32 and torch.isfinite(losses).all()
     mtp.objective(losses, 0.3).backward()
     assert mtp.modules_of(model)[0].eh_proj.weight.grad.abs().sum() > 0
@@ -236,7 +245,7 @@ def test_under_autocast_the_depths_share_one_16_bit_output_weight():
     inputs = torch.randint(1, 512, (2, 32))
     with VocabMatmuls(model.config.vocab_size) as seen, Copies():
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            losses = train.next_token_losses(model, (inputs, torch.roll(inputs, -1, 1), None), train.Config(mtp_depth=2))
+            losses = depth_losses(model, (inputs, torch.roll(inputs, -1, 1), None), train.Config(mtp_depth=2))
         mtp.objective(losses, 0.3).backward()
     assert copies == [torch.bfloat16] and seen.dtypes == {torch.bfloat16}, (copies, seen.dtypes)
     assert torch.isfinite(losses).all() and weight.grad.dtype == torch.float32 and weight.grad.abs().sum() > 0
@@ -251,7 +260,7 @@ def test_depths_chain_the_block_output_and_a_depth_without_targets_adds_nothing(
     torch.manual_seed(2)
     inputs = torch.randint(1, 512, (2, 16))
     targets = torch.randint(1, 512, (2, 16))
-    losses = train.next_token_losses(model, (inputs, targets, None), train.Config(mtp_depth=2))
+    losses = depth_losses(model, (inputs, targets, None), train.Config(mtp_depth=2))
     (ahead1, _), (ahead2, target2) = mtp.depth_targets(inputs, targets, None, 2)
     positions = torch.arange(16)[None]
     with torch.no_grad():

@@ -15,7 +15,9 @@ from deepseek_zero3.cli import UserError
 from deepseek_zero3.model import weights
 from deepseek_zero3.run_dir import state
 
-ALONE = SimpleNamespace(process_index=0, num_processes=1, print=print)  # what state.py reads of one process's Accelerator
+ALONE = SimpleNamespace(
+    process_index=0, num_processes=1, print=print
+)  # what state.py reads of one process's Accelerator
 
 
 class Counter:
@@ -46,7 +48,9 @@ def test_a_replicated_piece_round_trips_and_a_missing_one_restarts(tmp_path, cap
     loaded, new = Counter(), Counter()
     state.load(tmp_path, {"counter": loaded, "new": new, "absent": None}, ALONE)
     assert loaded.value == 7 and not loaded.restarted
-    assert new.restarted and "holds no state 'new' (saved before it existed): it starts fresh" in capsys.readouterr().out
+    assert (
+        new.restarted and "holds no state 'new' (saved before it existed): it starts fresh" in capsys.readouterr().out
+    )
 
 
 def test_a_sharded_piece_resumes_on_its_own_process_count_or_is_refused_naming_it(tmp_path):
