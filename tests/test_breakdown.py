@@ -48,6 +48,7 @@ def test_the_profile_splits_a_step_as_timing_its_parts_does(tmp_path):
     assert abs(split["unattributed"]) < 0.25 * sum(timed.values()), (timed, split)
 
 
+@pytest.mark.launch
 def test_a_zero2_run_profiles_its_steps_and_the_plan_reads_them(docs_data, tmp_path):
     """Two ZeRO-2 processes, 6 steps logged every 2, --profile_steps 2 (steps 2-3); then a second, one-process run that
     ends inside its profiled steps (3 steps, --profile_steps 5) writes the two it completed and exits 0 (a profiler

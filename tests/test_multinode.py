@@ -75,6 +75,7 @@ def single(docs_data, tmp_path_factory):
     return out
 
 
+@pytest.mark.launch
 def test_one_process_continues_on_two_machines(single, docs_data, tmp_path):
     """Steps 1-3 in one process (micro-batch 4: the same global batch), then --resume auto on two machines: the
     1-process checkpoint is resharded (issue #38) by machine 0 while machine 1 waits for it on the shared disk, and

@@ -306,6 +306,7 @@ def resumed(straight: Path, tmp_path: Path, config: str) -> Path:
     return out
 
 
+@pytest.mark.launch
 def test_zero2_llama_three_processes_train_like_one_and_resume_exactly(docs_data, tmp_path):
     config = "accelerate_configs/zero2_cpu.yaml"
     one = tmp_path / "one"  # one plain process: DeepSpeed's single-device Muon on the whole batch of 6
@@ -322,6 +323,7 @@ def test_zero2_llama_three_processes_train_like_one_and_resume_exactly(docs_data
     assert_same(three, resumed(three, tmp_path, config), range(5, 9), rel=0.0)
 
 
+@pytest.mark.launch
 def test_zero3_deepseek_v3_three_processes_train_like_one_and_resume_exactly(docs_data, tmp_path):
     args = [*MOE, *EIGHT, "--data_dir", docs_data]
     one, three = tmp_path / "one", tmp_path / "three"

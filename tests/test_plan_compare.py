@@ -301,6 +301,7 @@ def test_paper_plan_gives_zero3_processes_beyond_the_cores_turns(monkeypatch):
     assert measure.paper_cpu_rate(cfg, None, dataclasses.replace(launch, world_size=2)) == 1.0
 
 
+@pytest.mark.launch
 def test_data_changed_on_the_link_stops_the_run_with_the_p2p_advice(docs_data, tmp_path):
     out = tmp_path / "out"
     args = [*TINY, "--data_dir", docs_data, "--output_dir", out, "--max_steps", "2"]

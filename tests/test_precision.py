@@ -128,6 +128,7 @@ def test_export_loads_in_its_precision_and_scores_like_the_last_validation(runs,
 
 
 @needs("fp16")
+@pytest.mark.launch
 def test_an_fp16_checkpoint_is_refused_in_bf16(runs):
     """Before, DeepSpeed died with FileNotFoundError for bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt."""
     if runs["precision"] != "fp16":
@@ -142,6 +143,7 @@ def test_an_fp16_checkpoint_is_refused_in_bf16(runs):
 
 
 @needs("fp16")
+@pytest.mark.launch
 def test_fp16_overflow_skips_halves_the_scale_and_stops_at_the_minimum(docs_data, tmp_path):
     """From step 3 on, rank 0's loss is NaN: DeepSpeed's fp16 scaler skips every step (weights and Adam moments stay
     those of step 2: two checkpoints after it are equal), keeps the scale on the first overflow (hysteresis 2) and
@@ -171,6 +173,7 @@ def test_fp16_overflow_skips_halves_the_scale_and_stops_at_the_minimum(docs_data
 
 
 @needs("bf16")
+@pytest.mark.launch
 def test_bf16_zero3_sums_gradients_in_fp32(docs_data, tmp_path):
     """Issue #60: a bf16 ZeRO-3 run's engine sums the gradients of its micro-steps in fp32 (DeepSpeed's default is the
     model's dtype: bf16 rounds the sum to 8 bits of mantissa at every micro-step). 2 processes, accumulation 2: the
@@ -247,6 +250,7 @@ exit_process(0)
 
 
 @needs("bf16")
+@pytest.mark.launch
 def test_fp32_accumulation_sums_the_micro_steps_exactly(tmp_path):
     """Measured: 2.5e-9 from the exact sum of 8 micro-steps' bf16 gradients with the launch's fp32 accumulation,
     4.3e-3 with DeepSpeed's default bf16 one. Seen failing with Launch.grad_accum_dtype giving bf16 for bf16 ZeRO-3."""

@@ -175,6 +175,7 @@ def wsd_run(docs_data, tmp_path_factory):
     return out
 
 
+@pytest.mark.launch
 def test_decay_branch_finishes_a_model_and_leaves_the_run_alone(wsd_run, docs_data, tmp_path):
     """From the constant phase (step 4), a 3-step decay into a new directory: the LR falls to the floor, the branch
     exports a model whose validation loss is below the checkpoint's, and the original directory is untouched."""
@@ -202,6 +203,7 @@ def test_decay_branch_finishes_a_model_and_leaves_the_run_alone(wsd_run, docs_da
     assert digest(wsd_run, skip={".lock"}) == before
 
 
+@pytest.mark.launch
 def test_wsd_run_logs_the_schedule_and_resumes_inside_its_decay(wsd_run, docs_data):
     straight = train_records(wsd_run)
     expected = Schedule(3e-3, 2, 10, 0.1, "wsd", decay_fraction=0.4)
@@ -215,6 +217,7 @@ def test_wsd_run_logs_the_schedule_and_resumes_inside_its_decay(wsd_run, docs_da
         assert (again[step]["loss"], again[step]["lr"]) == (straight[step]["loss"], straight[step]["lr"]), step
 
 
+@pytest.mark.launch
 def test_val_bpb_equals_eval_py_and_the_card_holds_both(wsd_run, docs_data, tmp_path):
     """train.py's last val_bpb (and per source) against eval.py's packed scoring of OUT/final on the same windows,
     and its definition: the loss in bits over the validation split's UTF-8 bytes per token from meta.json. The model

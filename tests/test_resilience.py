@@ -45,6 +45,7 @@ def zero_state(step_dir, rank: int) -> dict:
     return dict(tensors(torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]))
 
 
+@pytest.mark.launch
 def test_nan_step_is_skipped_on_every_process(docs_data, tmp_path):
     """Rank 0's loss at step 5 is NaN: DeepSpeed's overflow check sees the global gradient norm and every rank skips
     the step; weights, Adam moments and the LR stay where step 4 left them, and the run goes on."""
@@ -71,6 +72,7 @@ def test_nan_step_is_skipped_on_every_process(docs_data, tmp_path):
     assert (out / "final").is_dir()
 
 
+@pytest.mark.launch
 def test_four_nan_steps_in_a_row_stop_the_run(docs_data, tmp_path):
     """...and a launcher with restarts left does not restart it: the NaNs would come back at the same steps."""
     out = tmp_path / "four"
@@ -132,6 +134,7 @@ def test_killed_then_hung_rank_restarts_by_itself(ref_run, docs_data, tmp_path):
     assert [row for row in trackio_run if row[1] is not None] == logged, trackio_run
 
 
+@pytest.mark.launch
 def test_hung_rank_without_restarts_ends_the_run(docs_data, tmp_path):
     """No --max_restarts: the run ends non-zero a few seconds after the step timeout, not never."""
     out = tmp_path / "hang"
@@ -196,6 +199,7 @@ def plant_build_lock(ext: Path, idle_s: float) -> Path:
     return lock
 
 
+@pytest.mark.launch
 def test_a_build_lock_a_killed_launch_left_is_removed_and_the_launch_goes_on(docs_data, tmp_path):
     """Issue #59, case 13: a launch killed while DeepSpeed built deepspeed_shm_comm left torch's build lock (an hour
     ago); the next launch (a private TORCH_EXTENSIONS_DIR) removes it, says so, and trains (it used to wait forever
@@ -305,6 +309,7 @@ def test_gradscaler_skip_with_fused_adamw_is_counted(fresh_accelerate_state):
             step(number, nan=True)
 
 
+@pytest.mark.launch
 def test_fp16_without_deepspeed_skips_holds_the_schedule_and_stops(docs_data, tmp_path):
     """DDP in fp16 (ddp_3gpu.yaml's strategy) on 2 CPU processes where oneDNN has fp16: distributed.cpu_fp16_autocast
     gives Accelerate the fp16 autocast and GradScaler it makes on GPUs. Rank 0's loss is NaN at step 3 and from step

@@ -222,6 +222,7 @@ def test_prepare_data_on_a_full_disk_is_one_line_and_keeps_its_work(tmp_path):
     assert (tmp_path / "out" / "meta.json").is_file()
 
 
+@pytest.mark.launch
 def test_a_full_disk_on_one_rank_is_told_as_the_others_would(docs_data, tmp_path):
     """Issue #35: rank 1 alone finds its disk full while checkpoint 4 is written (rank 0 then waits for it and is
     killed by the launcher): its line names step_2 as the last complete checkpoint, as rank 0's would, not "no
@@ -245,6 +246,7 @@ def test_sigterm_while_saving_stops_after_that_checkpoint(docs_data, tmp_path):
     assert max(train_records(out)) == 2
 
 
+@pytest.mark.launch
 def test_setup_error_reaches_the_user_in_a_multi_process_launch(done_run, tmp_path):
     """Case 17: both ranks refuse a checkpoint of one plain process (no DeepSpeed) under ZeRO-3; whichever exits first,
     exactly one `error:` line is printed (the launcher used to kill rank 0 before it printed)."""

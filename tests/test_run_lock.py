@@ -122,6 +122,7 @@ def test_a_console_write_into_a_hung_up_terminal_is_the_hangup(tmp_path):
     os.close(terminal)
 
 
+@pytest.mark.launch
 def test_a_closed_terminal_saves_and_stops_like_sigterm(docs_data, tmp_path):
     """The launcher and its 2 workers write to a terminal; it is closed (its master side) and the launcher's process
     group gets SIGHUP, as a shell sends its jobs when the terminal or the ssh connection goes. The workers save a

@@ -72,6 +72,7 @@ def test_zero2_two_processes_train_like_one_plain_process(zero2, docs_data, tmp_
     assert_same_run(one, out, range(1, 11), loss_rel=1e-5, weight_rel=1e-5)
 
 
+@pytest.mark.launch
 def test_zero2_stop_and_resume_equals_the_straight_run(zero2, tmp_path):
     """A copy of the straight run's step-5 checkpoint, resumed elsewhere, ends where the straight run did."""
     straight, _ = zero2
@@ -118,6 +119,7 @@ def async_io_problem() -> str | None:
     )
 
 
+@pytest.mark.launch
 def test_zero3_nvme_offload_trains_like_zero3(request, docs_data, tmp_path):
     """zero3_nvme_3gpu.yaml on CPU processes, its path given as its header says, against the ZeRO-3 reference."""
     problem = async_io_problem()
@@ -153,6 +155,7 @@ def test_every_config_parses(name, monkeypatch):
     assert launch_record.world_size == config["num_processes"]
 
 
+@pytest.mark.launch
 def test_zero2_resumes_on_another_number_of_processes(zero2, tmp_path):
     """Issue #38 under ZeRO-2: the 2-process step-5 checkpoint continues on 3 processes, each step's loss and gradient
     norm as the straight 2-process run's to 1e-5."""

@@ -91,6 +91,7 @@ def test_one_process_same_global_batch_gives_same_losses(ref, one_process):
     assert_same_losses(ref[0], out1, rel=1e-4)
 
 
+@pytest.mark.launch
 def test_gradient_accumulation_equals_a_bigger_micro_batch(one_process, docs_data, tmp_path):
     """3 processes x accumulation 2 x micro-batch 1 trains on the same 6 sequences per step as 1 process x 6."""
     one, accum = one_process[0], tmp_path / "accum"
@@ -103,6 +104,7 @@ def test_gradient_accumulation_equals_a_bigger_micro_batch(one_process, docs_dat
     assert_same_weights(one, accum, rel=2e-4)
 
 
+@pytest.mark.launch
 def test_resume_is_exact(ref, docs_data, tmp_path):
     """The second command gives only what changes: every other setting comes from the checkpoint, --log_with too.
     Each tracker holds one run across the stop and the resume, its steps logged once with metrics.jsonl's losses, and
@@ -162,6 +164,7 @@ def test_validation_loss_falls_and_final_model_loads(trained, docs_data):
     assert fresh == pytest.approx(val[-1]["val_loss/python-docs"], rel=1e-5)
 
 
+@pytest.mark.launch
 def test_sigterm_saves_and_resume_matches(ref, docs_data, tmp_path):
     out = tmp_path / "preempted"
     args = [*TINY, *STEPS, "--micro_batch_size", "2", "--data_dir", docs_data, "--output_dir", out]
@@ -179,6 +182,7 @@ def test_sigterm_saves_and_resume_matches(ref, docs_data, tmp_path):
     assert_same_weights(ref[0], out)
 
 
+@pytest.mark.launch
 def test_sigkill_while_saving_keeps_previous_checkpoint(ref, docs_data, tmp_path):
     out = tmp_path / "killed"
     args = [*TINY, *STEPS, "--micro_batch_size", "2", "--save_every", "2", "--data_dir", docs_data, "--output_dir", out]
@@ -351,6 +355,7 @@ def test_resume_refuses_any_difference(key):
         checkpoint.check_resume_compatible(state, changed, Path("ckpt"))
 
 
+@pytest.mark.launch
 def test_torchrun_without_accelerate_use_cpu_is_refused(docs_data, tmp_path):
     """torchrun on CPUs without ACCELERATE_USE_CPU=1 gives Accelerate DistributedType.NO beside a 2-rank process group:
     two unsynchronised copies. train.py refuses to start and says what to set."""
@@ -382,6 +387,7 @@ def test_torchrun_without_accelerate_use_cpu_is_refused(docs_data, tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.launch
 def test_cpu_config_runs_any_accelerate_script(docs_data):
     """zero3_cpu.json says "auto" where Accelerate fills values in, so a plain Accelerate script with a DataLoader runs
     on it too (before, it stopped: "Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided")."""
@@ -409,6 +415,7 @@ def test_cpu_config_runs_any_accelerate_script(docs_data):
     assert result["final_loss"] > 0 and result["tokens_per_s"] > 0
 
 
+@pytest.mark.launch
 def test_bf16_on_cpu_processes(docs_data, tmp_path):
     """The CPU config's JSON leaves precision to the launch: `--mixed_precision bf16` trains in bf16 under ZeRO-3 (fast
     only on CPUs with AMX or AVX512-BF16; here it only has to run and learn nothing wrong). Where the CPU has those

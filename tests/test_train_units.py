@@ -273,6 +273,7 @@ def test_an_unknown_flag_is_one_error_line(command, said):
 
 @pytest.mark.parametrize("flag, value, said", [("--mixed_precision", "fp16", "put it before train.py"),
                                                ("--max_steps", "abc", "invalid int value")])  # fmt: skip
+@pytest.mark.launch
 def test_an_unknown_flag_under_the_launcher_is_said_once(tmp_path, flag, value, said):
     """Every process parses the same command line: rank 0 alone says what is wrong, and the launch fails."""
     proc = run(launch_cmd(2, "--output_dir", tmp_path, flag, value), check=False)
@@ -283,6 +284,7 @@ def test_an_unknown_flag_under_the_launcher_is_said_once(tmp_path, flag, value, 
     assert not tmp_path.joinpath("checkpoints").exists()
 
 
+@pytest.mark.launch
 def test_help_under_the_launcher_is_printed_once():
     proc = run(launch_cmd(2, "--help"))
     assert proc.stdout.count("usage: train.py") == 1, proc.stdout[-3000:]

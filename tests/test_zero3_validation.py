@@ -8,6 +8,8 @@ exactly as often as in a run without validation. Without the fix: 53 per step ag
 
 import json
 
+import pytest
+
 from conftest import REPO, launch_cmd, run
 
 SCRIPT = r"""
@@ -60,6 +62,7 @@ def releases_per_step(tmp_path, docs_data, mode: str) -> list[int]:
     return json.loads(line.split(" ", 1)[1])
 
 
+@pytest.mark.launch
 def test_validation_leaves_later_steps_releasing_as_often_as_without(docs_data, tmp_path):
     plain = releases_per_step(tmp_path, docs_data, "plain")
     validated = releases_per_step(tmp_path, docs_data, "validate")

@@ -2,7 +2,7 @@
 
 DDP, one process, ZeRO-1 and ZeRO-2 keep every parameter whole on every process. ZeRO-3 keeps each parameter as a
 flat partition per process (`p.ds_tensor`: process r holds elements [r*s, (r+1)*s) of the flattened parameter,
-s = ceil(numel / processes), the last one zero-padded), and `p.data` is empty outside a forward or backward. So:
+s = ceil(numel / processes), the last one padded), and `p.data` is empty outside a forward or backward. So:
 
     local_weights(model)      each process's own share of every parameter: the partition under ZeRO-3, else the whole
                               tensor. Elementwise work (an EMA, an update's size) runs on it with no communication.
@@ -29,14 +29,22 @@ def is_sharded(model) -> bool:
 
 
 def local_weights(model) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every trainable parameter: this process's ZeRO-3 partition (1-D, possibly zero-padded at the
-    end of the last process's share), else the parameter itself. The tensors are the live weights: read, don't
+    """(name, tensor) of every trainable parameter: this process's ZeRO-3 partition (1-D; the last process's share
+    without DeepSpeed's padding, so shorter), else the parameter itself. The tensors are the live weights: read, don't
     write."""
     from accelerate.utils import extract_model_from_parallel
 
     core = extract_model_from_parallel(model)
-    return [(n, p.ds_tensor if hasattr(p, "ds_tensor") else p.data)
+    return [(n, _own_share(p) if hasattr(p, "ds_tensor") else p.data)
             for n, p in core.named_parameters() if p.requires_grad]  # fmt: skip
+
+
+def _own_share(p) -> torch.Tensor:
+    """The elements of a ZeRO-3 partition that belong to the parameter: DeepSpeed pads the last share to the size of the
+    others, and what the padding holds is not defined (it differs between a run and its resume)."""
+    size = p.ds_tensor.numel()
+    start = torch.distributed.get_rank() * size if torch.distributed.is_initialized() else 0
+    return p.ds_tensor.narrow(0, 0, max(0, min(size, int(p.ds_numel) - start)))
 
 
 def full_numel(model) -> dict[str, int]:
@@ -82,10 +90,7 @@ def repartition(shards: list[torch.Tensor], numel: int, rank: int, world: int) -
     `shards` (one per process that wrote it, in rank order, in ZeRO-3's layout)."""
     whole = torch.cat([s.reshape(-1) for s in shards])[:numel]
     size = partition_size(numel, world)
-    mine = whole[rank * size : (rank + 1) * size]
-    if len(mine) < size:  # the last process's share is zero-padded, as ZeRO-3 pads it
-        mine = torch.cat([mine, mine.new_zeros(size - len(mine))])
-    return mine.clone()
+    return whole[rank * size : (rank + 1) * size].clone()  # the last share unpadded, as local_weights gives it
 
 
 def gather_whole(local: torch.Tensor, numel: int, shape, sharded: bool) -> torch.Tensor:
@@ -94,6 +99,8 @@ def gather_whole(local: torch.Tensor, numel: int, shape, sharded: bool) -> torch
     if not sharded:
         return local.reshape(shape)
     world = torch.distributed.get_world_size()
-    parts = [torch.empty_like(local) for _ in range(world)]
-    torch.distributed.all_gather(parts, local.contiguous())
+    size = partition_size(numel, world)
+    padded = torch.cat([local.reshape(-1), local.new_zeros(size - local.numel())])  # all_gather takes equal sizes
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    torch.distributed.all_gather(parts, padded)
     return torch.cat(parts)[:numel].reshape(shape)
