@@ -43,8 +43,10 @@ REFUSED = {
     "llama without model_type": (without(preset("tiny"), "model_type"), 'add "model_type": "llama"'),
     "unsupported model_type": (
         {**preset("tiny"), "model_type": "mistral", "architectures": ["MistralForCausalLM"]},
-        'model_type \'mistral\', which train.py does not build; the supported ones are "llama" or "qwen3" or '
-        '"deepseek_v3"',
+        (
+            'model_type \'mistral\', which train.py does not build; the supported ones are "llama" or "qwen3" or '
+            '"deepseek_v3"'
+        ),
     ),
     "MoE keys under llama": (
         {**preset("tiny"), "n_routed_experts": 8, "num_experts_per_tok": 2},
@@ -117,8 +119,10 @@ REFUSED = {
     # The switches (issue #61): a model that would train as one thing and export as another.
     "QK-norm on MLA": (
         {**preset("deepseek-v3-tiny"), "qk_norm": True},
-        "has \"qk_norm\" under model_type 'deepseek_v3': QK-norm is a switch of the dense (llama) configs, and "
-        "transformers' DeepseekV3 architecture has no QK-norm to export a model with it as; remove qk_norm, or set it",
+        (
+            "has \"qk_norm\" under model_type 'deepseek_v3': QK-norm is a switch of the dense (llama) configs, and "
+            "transformers' DeepseekV3 architecture has no QK-norm to export a model with it as; remove qk_norm, or set it"
+        ),
     ),
     "qk_norm not a boolean": ({**preset("tiny"), "qk_norm": "yes"}, 'has "qk_norm": "yes"; it must be true or false'),
     "QK-norm with MLP biases": (
@@ -127,8 +131,10 @@ REFUSED = {
     ),
     "qwen3 without head_dim": (
         {**without(preset("tiny"), "architectures"), "model_type": "qwen3"},
-        "lacks head_dim, which a qwen3 model needs (transformers' defaults describe another model); add them, or "
-        'write it as a llama config with "qk_norm": true',
+        (
+            "lacks head_dim, which a qwen3 model needs (transformers' defaults describe another model); add them, or "
+            'write it as a llama config with "qk_norm": true'
+        ),
     ),
     "qwen3 with a sliding window": (
         {

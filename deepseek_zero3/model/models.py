@@ -4,6 +4,7 @@ model's defaults), model directories (their weight files and tokenizer), and the
     load_model_config      a preset, config.json or model directory -> the transformers config train.py builds
     architecture / config_differences / check_model_unchanged    a resumed run's model against the file it named
     read_config_json / check_model_fields / build_model_config   its three checks, also used on checkpoints
+    dense_variant          a dense config's switches ("qk_norm": true) as the transformers architecture that has them
     check_weight_files / check_weights_fit / load_tokenizer / check_init_from   a model directory's weights
                                                                              and tokenizer
 """
@@ -230,10 +231,6 @@ def check_architecture(d: dict, where: str) -> None:
 def one_line(error: Exception, limit: int = 300) -> str:
     """An exception's message on one line (transformers' validation errors span two: the validator, then why)."""
     return " ".join(str(error).split())[:limit] or type(error).__name__
-
-
-# Keys of a config dict that no transformers config class defines: train.py's switches, read by dense_variant.
-SWITCHES = ("qk_norm",)
 
 
 def dense_variant(d: dict, where: str) -> dict:

@@ -130,9 +130,9 @@ def memory_plan(c, launch: Launch, micro_batch_size: int, seq_len: int, gradient
     2P/n in host RAM.
     Activations saved for backward (activations_per_token), per token and layer of a Llama block (the count of
     Korthikanti et al. 2022 redone for RMSNorm, RoPE and SwiGLU, no dropout): two norm inputs (2h), attention input,
-    q, k, v, rotated q and k, attention output (2h + 3q + 3 kv, q = h unless a head_dim of its own sets it apart), MLP
-    input, gate, up, SiLU and product (h + 4 ffn), with QK-norm the normalised q and k (q + kv), plus 2 a s for eager
-    attention's score matrices; MLA and MoE layers as activations_per_token says. Checkpointing
+    q, k, v, rotated q and k, attention output (2h + 3q + 3 kv; q = h unless a head_dim of the config's own sets it
+    apart), MLP input, gate, up, SiLU and product (h + 4 ffn), with QK-norm the normalised q and k (q + kv), plus 2 a s
+    for eager attention's score matrices; MLA and MoE layers as activations_per_token says. Checkpointing
     keeps each layer's input and recomputes one layer at a time. The loss: loss_bytes (the whole logits, or one chunk).
     MTP modules (mtp_depth): their parameters, each block's activations as one more layer, each depth's loss.
     Muon (muon: the parameters it updates, recipe/optimizer.py): one fp32 momentum for those, not Adam's two moments.
@@ -339,11 +339,8 @@ def step_costs(c, cfg, launch: Launch, micro_batch_size: int, machine: Machine, 
         # Muon's Newton-Schulz: under ZeRO each process orthogonalises a round-robin share of the matrices, under DDP
         # every process all of them (DeepSpeed's single-device class)
         "newton_schulz_s": (
-            model_math.newton_schulz_flops(c, depth)
-            / (launch.world_size if launch.zero_stage else 1)
-            / machine.flops_per_device
-            if muon
-            else 0.0
+            model_math.newton_schulz_flops(c, depth) / (launch.world_size if launch.zero_stage else 1)
+            / machine.flops_per_device if muon else 0.0
         ),
     }
     step_s = sum(seconds.values())
@@ -427,15 +424,8 @@ def strategy_name(launch: Launch) -> str:
     return f"ZeRO-{launch.zero_stage}"
 
 
-def machine_for(
-    cfg,
-    launch: Launch,
-    peak_flops_per_device: float,
-    links: dict | None = None,
-    gpu_memory_gib: float = 0.0,
-    model_rate: float | None = None,
-    paper: bool = False,
-) -> Machine:
+def machine_for(cfg, launch: Launch, peak_flops_per_device: float, links: dict | None = None,
+                gpu_memory_gib: float = 0.0, model_rate: float | None = None, paper: bool = False) -> Machine:
     """The Machine a plan of train.py's Config divides by: measured figures where given (links: measure.measure_links of
     the run; gpu_memory_gib > 0: the device's; model_rate: measure.measure_model_rate's FLOP/s, `paper` or live), else
     the flags (compute: --assumed_mfu of the peak) and, for the device's copy rate, the RTX 4090's datasheet (or an
@@ -500,8 +490,7 @@ def plan_report(cfg, c, launch: Launch, machine: Machine, base: float, steps: in
             f"(checkpointing {checkpointing}; on: {mem['activations_with_checkpointing'] / GIB:.2f}, "
             f"off: {mem['activations_without_checkpointing'] / GIB:.2f}) + loss {gpu['loss'] / GIB:.2f} "
             f"({loss_path if cfg.loss_chunk_tokens else 'full logits'})"
-            + (f" + EMA {gpu['ema'] / GIB:.2f}" if gpu["ema"] else "")
-            + f" = {mem['gpu_total'] / GIB:.2f} GiB"
+            + (f" + EMA {gpu['ema'] / GIB:.2f}" if gpu["ema"] else "") + f" = {mem['gpu_total'] / GIB:.2f} GiB"
         ),
     ]
     if launch.zero_stage:
@@ -520,11 +509,8 @@ def plan_report(cfg, c, launch: Launch, machine: Machine, base: float, steps: in
     lines.append(
         f"  step: {costs['tokens']:,} tokens, {costs['step_s']:.2f} s = {costs['compute_s']:.2f} s compute at "
         f"{machine.flops_per_device / 1e12:.3g} TFLOP/s per {where} ({machine.compute_source})"
-        + (
-            f" with the checkpointed layers' forward again (+{checkpointed / flops_tok:.0%} FLOPs)"
-            if cfg.gradient_checkpointing and machine.timed_without_checkpointing
-            else ""
-        )  # fmt: skip
+        + (f" with the checkpointed layers' forward again (+{checkpointed / flops_tok:.0%} FLOPs)"
+           if cfg.gradient_checkpointing and machine.timed_without_checkpointing else "")  # fmt: skip
         + f" + {costs['comm_s']:.2f} s for {moved['link'] / 1e9:.2f} GB per process over the link "
         + (f"and {costs['all_reduce_hidden_s']:.3g} s behind the backward " if costs["all_reduce_hidden_s"] else "")
         + f"(all-reduce {machine.link_gb_s:.3g}, all-gather {machine.gather_gb_s:.3g}, reduce-scatter "

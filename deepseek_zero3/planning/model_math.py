@@ -139,12 +139,8 @@ def muon_matrices(c, mtp_depth: int = 0) -> list[tuple[int, int, int]]:
         return [(n * (c.num_hidden_layers + mtp_depth), r, k) for n, r, k in layer] + [(mtp_depth, h, 2 * h)]
     heads, qk = c.num_attention_heads, c.qk_nope_head_dim + c.qk_rope_head_dim
     q = [(1, c.q_lora_rank, h), (1, heads * qk, c.q_lora_rank)] if c.q_lora_rank else [(1, heads * qk, h)]
-    attention = [
-        *q,
-        (1, c.kv_lora_rank + c.qk_rope_head_dim, h),
-        (1, heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
-        (1, h, heads * c.v_head_dim),
-    ]
+    attention = [*q, (1, c.kv_lora_rank + c.qk_rope_head_dim, h),
+                 (1, heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank), (1, h, heads * c.v_head_dim)]
     i, experts = c.moe_intermediate_size, c.n_routed_experts
     moe = [(experts, 2 * i, h), (experts, h, i), *mlp(i * c.n_shared_experts), (1, experts, h)]  # fmt: skip
     n_dense = min(c.first_k_dense_replace, c.num_hidden_layers)
@@ -172,8 +168,8 @@ def newton_schulz_flops(c, mtp_depth: int = 0, steps: int = 5) -> float:
 def model_flops_per_token(c, seq_len: int, mtp_depth: int = 0) -> float:
     """Training FLOPs per token of a config, what MFU counts (PaLM's model FLOPs, Chowdhery et al. 2022, appendix B):
     6 x activated non-embedding parameters (a MoE layer counts only the experts a token goes to) + 6 L T x the
-    attention's query-key and value widths (12 L H T for Llama, heads x head_dim each; MLA's per-head query-key width is qk_nope + qk_rope,
-    its value width v_head_dim). The attention term is PaLM's and nanoGPT's: every one of the T x T query-key pairs,
+    attention's query-key and value widths (12 L H T for Llama, whose widths are heads x head_dim = H; MLA's per-head
+    query-key width is qk_nope + qk_rope, its value width v_head_dim). The attention term is PaLM's and nanoGPT's: every one of the T x T query-key pairs,
     not the causal half a kernel that skips the masked blocks computes, so MFU compares with theirs. Each MTP module
     adds its block as one more layer and one more use of the output layer (the head's vocab x hidden matmul, per
     depth). No recomputation (hardware_flops_per_token adds it) and no optimizer work (Muon's Newton-Schulz is
@@ -244,10 +240,8 @@ def run_hardware_flops(cfg, c, depth: int, micro_batch_size: int) -> float:
 def recomputed(cfg, c, depth: int, micro_batch_size: int) -> str:
     """What a run of train.py's Config (cfg) recomputes, in words ("" for nothing)."""
     loss = loss_recomputed_flops_per_token(c, micro_batch_size * cfg.seq_len, cfg.loss_chunk_tokens, depth)
-    return " and ".join(
-        (["the checkpointed layers' forward"] if cfg.gradient_checkpointing else [])
-        + ([f"the loss's logits (--loss_chunk_tokens {cfg.loss_chunk_tokens})"] if loss else [])
-    )
+    return " and ".join((["the checkpointed layers' forward"] if cfg.gradient_checkpointing else [])
+                        + ([f"the loss's logits (--loss_chunk_tokens {cfg.loss_chunk_tokens})"] if loss else []))
 
 
 def activations_per_token(c, seq_len: int, attn: str, mtp_depth: int = 0) -> list[int]:
