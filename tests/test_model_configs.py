@@ -120,8 +120,8 @@ REFUSED = {
     "QK-norm on MLA": (
         {**preset("deepseek-v3-tiny"), "qk_norm": True},
         (
-            "has \"qk_norm\" under model_type 'deepseek_v3': QK-norm is a switch of the dense (llama) configs, and "
-            "transformers' DeepseekV3 architecture has no QK-norm to export a model with it as; remove qk_norm, or set it"
+            "has \"qk_norm\" under model_type 'deepseek_v3', whose transformers architecture (DeepseekV3) has no "
+            "QK-norm to export the model with; remove it (QK-norm is a switch of the dense llama configs"
         ),
     ),
     "qk_norm not a boolean": ({**preset("tiny"), "qk_norm": "yes"}, 'has "qk_norm": "yes"; it must be true or false'),
@@ -133,7 +133,7 @@ REFUSED = {
         {**without(preset("tiny"), "architectures"), "model_type": "qwen3"},
         (
             "lacks head_dim, which a qwen3 model needs (transformers' defaults describe another model); add them, or "
-            'write it as a llama config with "qk_norm": true'
+            'write it as a llama config with "qk_norm": true (as'
         ),
     ),
     "qwen3 with a sliding window": (

@@ -130,8 +130,8 @@ def check_model_fields(d: dict, where: str) -> None:
     if missing:
         fix = f"add them, e.g. from {MODEL_CONFIG_DIR / (arch['template'] + '.json')}"
         if model_type == "qwen3":  # its preset is a llama config with "qk_norm": true, which has no head_dim to copy
-            fix = (f'add them, or write it as a llama config with "qk_norm": true (as '
-                   f'{MODEL_CONFIG_DIR / (arch["template"] + ".json")}), which train.py builds as a qwen3 model')  # fmt: skip
+            example = MODEL_CONFIG_DIR / (arch["template"] + ".json")
+            fix = f'add them, or write it as a llama config with "qk_norm": true (as {example}): a qwen3 model'
         raise UserError(
             f"{where} lacks {', '.join(missing)}, which a {model_type} model needs (transformers' defaults describe "
             f"another model); {fix}"
@@ -251,9 +251,9 @@ def dense_variant(d: dict, where: str) -> dict:
     qk_norm = d.pop("qk_norm")
     if d["model_type"] != "llama":
         raise UserError(
-            f'{where} has "qk_norm" under model_type {d["model_type"]!r}: QK-norm is a switch of the dense (llama) '
-            f"configs, and transformers' {ARCHITECTURES[d['model_type']]['class_prefix']} architecture has no QK-norm "
-            "to export a model with it as; remove qk_norm, or set it in a llama config (model_configs/tiny-qk-norm.json)"
+            f'{where} has "qk_norm" under model_type {d["model_type"]!r}, whose transformers architecture '
+            f"({ARCHITECTURES[d['model_type']]['class_prefix']}) has no QK-norm to export the model with; remove it "
+            "(QK-norm is a switch of the dense llama configs, as in model_configs/tiny-qk-norm.json)"
         )
     if not isinstance(qk_norm, bool):
         raise UserError(f'{where} has "qk_norm": {json.dumps(qk_norm)}; it must be true or false')

@@ -169,10 +169,10 @@ def model_flops_per_token(c, seq_len: int, mtp_depth: int = 0) -> float:
     """Training FLOPs per token of a config, what MFU counts (PaLM's model FLOPs, Chowdhery et al. 2022, appendix B):
     6 x activated non-embedding parameters (a MoE layer counts only the experts a token goes to) + 6 L T x the
     attention's query-key and value widths (12 L H T for Llama, whose widths are heads x head_dim = H; MLA's per-head
-    query-key width is qk_nope + qk_rope, its value width v_head_dim). The attention term is PaLM's and nanoGPT's: every one of the T x T query-key pairs,
-    not the causal half a kernel that skips the masked blocks computes, so MFU compares with theirs. Each MTP module
-    adds its block as one more layer and one more use of the output layer (the head's vocab x hidden matmul, per
-    depth). No recomputation (hardware_flops_per_token adds it) and no optimizer work (Muon's Newton-Schulz is
+    query-key width is qk_nope + qk_rope, its value width v_head_dim). The attention term is PaLM's and nanoGPT's:
+    every one of the T x T query-key pairs, not the causal half a kernel that skips the masked blocks computes, so MFU
+    compares with theirs. Each MTP module adds its block as one more layer and one more use of the output layer (the
+    head's vocab x hidden matmul, per depth). No recomputation (hardware_flops_per_token adds it) and no optimizer work (Muon's Newton-Schulz is
     newton_schulz_flops): the same model and tokens give the same FLOPs however they are trained."""
     counts = param_counts(c, mtp_depth)
     if is_moe(c):
