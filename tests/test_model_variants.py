@@ -69,7 +69,7 @@ def test_qk_norm_is_the_llama_with_its_queries_and_keys_normalised(tmp_path):
     """The Qwen3 model "qk_norm": true builds holds the Llama's weights and, with its two norms taken out, gives the
     Llama's logits: the Llama's values carry over, its defaults included (the file leaves num_key_value_heads out: a
     Llama's default is one per head, Qwen3's 32; its rope_theta is not Qwen3's default). With the norms in, the
-    logits differ. Seen failing with the Llama's defaults not carried over (the key/value projections' shapes)."""
+    logits differ. Seen failing with the Llama's defaults not carried over (Qwen3's head_dim 128 taken)."""
     plain = {k: v for k, v in tiny().items() if k != "num_key_value_heads"}
     llama_config, qwen3_config = (
         config_of({**plain, "rope_theta": 5e5, "qk_norm": on}, tmp_path) for on in (False, True)
@@ -95,7 +95,7 @@ def test_a_trained_qk_norm_model_is_exported_and_loads_back_as_itself(docs_data,
     """Two AdamW steps on the tiny-qk-norm preset (the chunked loss, documents masked), then train.py's export
     (checkpoint.export_final): transformers' AutoModelForCausalLM loads a Qwen3ForCausalLM with the trained q_norm and
     k_norm weights, whose logits equal the trained model's (1e-6); its config.json is what --init_from and eval.py read.
-    Seen failing with the export written as a Llama (the config's model_type set back to llama): its norms dropped."""
+    Seen failing with q_norm and k_norm left out of the exported weights, and with "qk_norm": true built as a Llama."""
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
 
