@@ -131,3 +131,15 @@ def test_a_trained_qk_norm_model_is_exported_and_loads_back_as_itself(docs_data,
     again = models.load_model_config("", str(final), 32, meta)
     assert models.config_differences(c, again) == ""
     eval_script.check_model_config(final, "config.json")
+
+
+def test_a_model_directory_with_the_switch_is_refused_for_init_from(tmp_path):
+    """--init_from loads weights with transformers, which reads "qk_norm" as nothing (a Llama): such a directory is
+    refused in one line, while --model_config takes the same file. Seen passing the Llama off as the QK-norm model
+    without the check."""
+    (tmp_path / "config.json").write_text((models.MODEL_CONFIG_DIR / "tiny-qk-norm.json").read_text())
+    assert models.load_model_config(str(tmp_path), "", 32, None).model_type == "qwen3"
+    with pytest.raises(models.UserError) as e:
+        models.load_model_config("tiny", str(tmp_path), 32, None)
+    assert str(e.value).startswith(f'--init_from {tmp_path / "config.json"} has "qk_norm", a switch of train.py\'s')
+    assert "\n" not in str(e.value)
