@@ -423,12 +423,12 @@ def load_model_config(model_config: str, init_from: str, seq_len: int, meta: dic
     where = f"{flag} {path}"
     d = read_config_json(path, where)
     check_model_fields(d, where)
+    config = build_model_config(d, where)
     if init_from and "qk_norm" in d:  # from_pretrained reads its weights as the model_type's, which has no such key
         raise UserError(
             f'{where} has "qk_norm", a switch of train.py\'s --model_config files that transformers does not read: '
             'its weights load as a plain llama; remove the key (an export with QK-norm says "model_type": "qwen3")'
         )
-    config = build_model_config(d, where)
     if init_from:
         if meta is not None and config.vocab_size < meta["vocab_size"]:
             raise UserError(
