@@ -53,7 +53,12 @@ def counted_flops(c, seq_len: int, micro: int, checkpointing: bool, chunk: int, 
 
 @pytest.mark.parametrize(
     ("preset", "q_lora", "chunk", "depth"),
-    [("tiny", None, 16, 0), ("deepseek-v3-tiny", None, 16, 2), ("deepseek-v3-tiny", 16, 0, 1)],
+    [
+        ("tiny", None, 16, 0),
+        ("tiny-qk-norm", None, 16, 1),
+        ("deepseek-v3-tiny", None, 16, 2),
+        ("deepseek-v3-tiny", 16, 0, 1),
+    ],
 )
 def test_model_and_hardware_flops_are_what_torch_counts(preset, q_lora, chunk, depth):
     """Without checkpointing and with the full logits the count is the model FLOPs: PaLM's 6 N + the attention over
@@ -161,19 +166,21 @@ def test_the_plan_states_mfu_and_hfu_and_refuses_an_impossible_hfu(capsys, monke
 
 
 def test_a_checkpointed_run_logs_mfu_and_hfu_everywhere(docs_data, tmp_path):
-    """One CPU process of the tiny preset, 3 steps with --gradient_checkpointing: every training record of
-    metrics.jsonl has `mfu` and `hfu` with HFU / MFU = 1 + the recomputed share of the model FLOPs, as the console
-    line, the plan's step line, TensorBoard and the model card say."""
+    """One CPU process of the tiny-qk-norm preset (the tiny one with "qk_norm": true, issue #61: this run is also the
+    one of train.py with QK-norm), 3 steps with --gradient_checkpointing: every training record of metrics.jsonl has
+    `mfu` and `hfu` with HFU / MFU = 1 + the recomputed share of the model FLOPs, as the console line, the plan's step
+    line, TensorBoard and the model card say; final/ is the Qwen3 model that QK-norm is in transformers."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from deepseek_zero3.tokens import token_data
 
     out = tmp_path / "out"
-    proc = run([sys.executable, "train.py", *TINY, "--max_steps", "3", "--micro_batch_size", "2",
+    tiny_qk_norm = ["tiny-qk-norm" if arg == "tiny" else arg for arg in TINY]
+    proc = run([sys.executable, "train.py", *tiny_qk_norm, "--max_steps", "3", "--micro_batch_size", "2",
                 "--gradient_checkpointing", "--no_eval_at_start", "--log_with", "tensorboard", "--data_dir", docs_data,
                 "--output_dir", out])  # fmt: skip
     assert "x 1 processes" in proc.stdout, proc.stdout  # the batch plan line: one process
-    c = models.load_model_config("tiny", "", 32, token_data.read_meta(docs_data))
+    c = models.load_model_config("tiny-qk-norm", "", 32, token_data.read_meta(docs_data))
     share = model_math.checkpointed_flops_per_token(c, 32) / model_math.model_flops_per_token(c, 32)
     assert model_math.hardware_flops_per_token(c, 32, 0, True, 64, 1024) == model_math.model_flops_per_token(
         c, 32) * (1 + share)  # fmt: skip # 64 tokens a micro-step, one chunk: nothing else recomputed
@@ -197,3 +204,4 @@ def test_a_checkpointed_run_logs_mfu_and_hfu_everywhere(docs_data, tmp_path):
     assert f"MFU {model_math.percent(mean('mfu'))} (model FLOPs per token" in card, card
     assert f", HFU {model_math.percent(mean('hfu'))} (the FLOPs" in card, card
     assert math.isclose(mean("hfu"), mean("mfu") * (1 + share), rel_tol=1e-12)
+    assert json.loads((out / "final" / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]

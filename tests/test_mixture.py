@@ -129,7 +129,7 @@ def test_document_positions_restart_after_each_eos():
     assert lmloss.document_positions(rows, 0).tolist() == [[0, 1, 2, 0, 1, 0, 0, 1], list(range(8))]
 
 
-@pytest.mark.parametrize("preset", ["tiny", "deepseek-v3-tiny"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qk-norm", "deepseek-v3-tiny"])
 def test_masked_forward_equals_each_document_alone(docs_data, preset):
     """Windows of real data (two documents or more each) through train.py's get_batch: per-token losses of the masked
     forward equal each document's own forward from position 0; with masking off they do not; and train.py's loss

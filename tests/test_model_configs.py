@@ -43,7 +43,10 @@ REFUSED = {
     "llama without model_type": (without(preset("tiny"), "model_type"), 'add "model_type": "llama"'),
     "unsupported model_type": (
         {**preset("tiny"), "model_type": "mistral", "architectures": ["MistralForCausalLM"]},
-        'model_type \'mistral\', which train.py does not build; the supported ones are "llama" or "deepseek_v3"',
+        (
+            'model_type \'mistral\', which train.py does not build; the supported ones are "llama" or "qwen3" or '
+            '"deepseek_v3"'
+        ),
     ),
     "MoE keys under llama": (
         {**preset("tiny"), "n_routed_experts": 8, "num_experts_per_tok": 2},
@@ -113,6 +116,36 @@ REFUSED = {
         {**preset("deepseek-v3-tiny"), "num_experts_per_tok": 5},
         "has num_experts_per_tok=5, more than the 4 experts of its topk_group=1 group(s)",
     ),
+    # The switches (issue #61): a model that would train as one thing and export as another.
+    "QK-norm on MLA": (
+        {**preset("deepseek-v3-tiny"), "qk_norm": True},
+        (
+            "has \"qk_norm\" under model_type 'deepseek_v3', whose transformers architecture (DeepseekV3) has no "
+            "QK-norm to export the model with; remove it (QK-norm is a switch of the dense llama configs"
+        ),
+    ),
+    "qk_norm not a boolean": ({**preset("tiny"), "qk_norm": "yes"}, 'has "qk_norm": "yes"; it must be true or false'),
+    "QK-norm with MLP biases": (
+        {**preset("tiny-qk-norm"), "mlp_bias": True},
+        'has "qk_norm": true and "mlp_bias": true; a llama model with QK-norm is transformers\' Qwen3 architecture',
+    ),
+    "qwen3 without head_dim": (
+        {**without(preset("tiny"), "architectures"), "model_type": "qwen3"},
+        (
+            "lacks head_dim, which a qwen3 model needs (transformers' defaults describe another model); add them, or "
+            'write it as a llama config with "qk_norm": true (as'
+        ),
+    ),
+    "qwen3 with a sliding window": (
+        {
+            **preset("tiny"),
+            "model_type": "qwen3",
+            "architectures": ["Qwen3ForCausalLM"],
+            "head_dim": 16,
+            "use_sliding_window": True,
+        },
+        "has use_sliding_window=true; train.py trains, masks documents and plans full attention in every layer",
+    ),
 }
 
 
@@ -174,7 +207,7 @@ def test_presets_and_configs_transformers_writes_still_load(tmp_path):
     and a Hub-style config with the keys older transformers versions wrote."""
     for path in sorted(models.MODEL_CONFIG_DIR.glob("*.json")):
         models.load_model_config(path.stem, "", 128, None)
-    for name in ("tiny", "deepseek-v3-tiny"):
+    for name in ("tiny", "tiny-qk-norm", "deepseek-v3-tiny"):
         config = models.load_model_config(name, "", 32, {"vocab_size": 500, "eos_id": 0})
         config.save_pretrained(tmp_path / name)
         assert models.load_model_config("", str(tmp_path / name), 32, None).to_dict() == config.to_dict()
@@ -186,7 +219,15 @@ def test_presets_and_configs_transformers_writes_still_load(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "case", ["torn", "llama without hidden_size", "KV heads not dividing the heads", "v3 one expert per group"], ids=str
+    "case",
+    [
+        "torn",
+        "llama without hidden_size",
+        "KV heads not dividing the heads",
+        "v3 one expert per group",
+        "QK-norm on MLA",
+    ],
+    ids=str,
 )
 def test_train_plan_refuses_in_one_line(case, tmp_path):
     path = tmp_path / "bad.json"

@@ -148,7 +148,7 @@ def test_gradient_checkpointing_and_document_masking_keep_the_mtp_loss():
     assert all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
 
 
-@pytest.mark.parametrize("preset", ["tiny", "deepseek-v3-tiny"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qk-norm", "deepseek-v3-tiny"])
 def test_the_export_loads_back_and_transformers_reads_deepseeks_layout(preset, tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -4,6 +4,7 @@ model's defaults), model directories (their weight files and tokenizer), and the
     load_model_config      a preset, config.json or model directory -> the transformers config train.py builds
     architecture / config_differences / check_model_unchanged    a resumed run's model against the file it named
     read_config_json / check_model_fields / build_model_config   its three checks, also used on checkpoints
+    dense_variant          a dense config's switches ("qk_norm": true) as the transformers architecture that has them
     check_weight_files / check_weights_fit / load_tokenizer / check_init_from   a model directory's weights
                                                                              and tokenizer
 """
@@ -30,6 +31,10 @@ CORE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
                "max_position_embeddings")  # fmt: skip
 ARCHITECTURES = {
     "llama": {"template": "tiny", "class_prefix": "Llama", "fields": CORE_FIELDS},
+    # Llama with QK-norm, what a llama config's "qk_norm": true builds (dense_variant) and its export says; its defaults
+    # (head_dim 128, 32 key/value heads) are Qwen3-8B's.
+    "qwen3": {"template": "tiny-qk-norm", "class_prefix": "Qwen3",
+              "fields": CORE_FIELDS + ("num_key_value_heads", "head_dim")},
     "deepseek_v3": {
         "template": "deepseek-v3-tiny",
         "class_prefix": "DeepseekV3",
@@ -123,14 +128,23 @@ def check_model_fields(d: dict, where: str) -> None:
         )
     missing = [k for k in arch["fields"] if k not in d]
     if missing:
+        fix = f"add them, e.g. from {MODEL_CONFIG_DIR / (arch['template'] + '.json')}"
+        if model_type == "qwen3":  # its preset is a llama config with "qk_norm": true, which has no head_dim to copy
+            example = MODEL_CONFIG_DIR / (arch["template"] + ".json")
+            fix = f'add them, or write it as a llama config with "qk_norm": true (as {example}): a qwen3 model'
         raise UserError(
             f"{where} lacks {', '.join(missing)}, which a {model_type} model needs (transformers' defaults describe "
-            f"another model); add them, e.g. from {MODEL_CONFIG_DIR / (arch['template'] + '.json')}"
+            f"another model); {fix}"
         )
     for key in arch["fields"]:
         must = _bad_value(key, d[key])
         if must:
             raise UserError(f"{where} has {key}={json.dumps(d[key])}; it must be {must}")
+    if model_type == "qwen3" and d.get("use_sliding_window"):  # eval.py scores such models; train.py does not plan one
+        raise UserError(
+            f"{where} has use_sliding_window=true; train.py trains, masks documents and plans full attention in every "
+            "layer: set it false"
+        )
     check_architecture(d, where)
 
 
@@ -152,8 +166,10 @@ def check_architecture(d: dict, where: str) -> None:
     def divisors(n: int) -> str:
         return ", ".join(str(i) for i in range(1, n + 1) if n % i == 0)
 
-    if d["model_type"] == "llama":
-        if ints("hidden_size", "num_attention_heads") and v["hidden_size"] % v["num_attention_heads"]:
+    if d["model_type"] in ("llama", "qwen3"):
+        # A Llama's heads share hidden_size (LlamaConfig checks it even with a head_dim); a Qwen3 states its head_dim.
+        divides = d["model_type"] == "qwen3" or not ints("hidden_size", "num_attention_heads")
+        if not divides and v["hidden_size"] % v["num_attention_heads"]:
             raise UserError(
                 f"{where} has num_attention_heads={v['num_attention_heads']}, which does not divide hidden_size="
                 f"{v['hidden_size']} (each head takes an equal share of it); pick one of {divisors(v['hidden_size'])}"
@@ -217,12 +233,51 @@ def one_line(error: Exception, limit: int = 300) -> str:
     return " ".join(str(error).split())[:limit] or type(error).__name__
 
 
-def build_model_config(d: dict, where: str):
-    """The transformers config of a checked config dict. Keys its class does not define are refused: transformers
-    would keep them as inert attributes, so MoE fields under model_type llama, say, would train a dense model."""
+def dense_variant(d: dict, where: str) -> dict:
+    """A checked config dict with train.py's switches resolved into the transformers architecture that has them, so that
+    the model trains, exports and loads back (AutoModelForCausalLM) as the same model. "qk_norm": true on a llama config
+    (an RMSNorm over each head's query and key before the rotary embedding; OLMo 2, Qwen3, Gemma 3) is transformers'
+    Qwen3, which is the Llama architecture with exactly that: its decoder layer, MLP, norms and rotary embedding are
+    Llama's, with q_norm and k_norm of head_dim weights in each attention. The Llama config's values, its own defaults
+    filling what the file leaves out, carry over, so the model is the Llama with the norms added; Qwen3's sliding
+    window stays off. "qk_norm": false (or no key) is the plain Llama. Refused in one line: a qk_norm that is not a
+    boolean, one on another architecture (DeepSeek-V3's MLA has no per-head QK-norm in transformers to export it
+    as), and what Qwen3 cannot export with it (MLP biases)."""
     from transformers import AutoConfig
 
+    if "qk_norm" not in d:
+        return d
     d = dict(d)
+    qk_norm = d.pop("qk_norm")
+    if d["model_type"] != "llama":
+        raise UserError(
+            f'{where} has "qk_norm" under model_type {d["model_type"]!r}, whose transformers architecture '
+            f"({ARCHITECTURES[d['model_type']]['class_prefix']}) has no QK-norm to export the model with; remove it "
+            "(QK-norm is a switch of the dense llama configs, as in model_configs/tiny-qk-norm.json)"
+        )
+    if not isinstance(qk_norm, bool):
+        raise UserError(f'{where} has "qk_norm": {json.dumps(qk_norm)}; it must be true or false')
+    if not qk_norm:
+        return d
+    if d.get("mlp_bias"):
+        raise UserError(
+            f'{where} has "qk_norm": true and "mlp_bias": true; a llama model with QK-norm is transformers\' Qwen3 '
+            "architecture, which has no MLP biases to export them as: set mlp_bias false, or qk_norm false"
+        )
+    llama = build_model_config(d, where).to_dict()
+    qwen3 = set(AutoConfig.for_model("qwen3").to_dict())
+    # mlp_bias (false here) and pretraining_tp (unused by transformers 5's Llama) are the Llama's own fields.
+    kept = {k: x for k, x in llama.items() if k in qwen3 and k not in ("transformers_version", "architectures")}
+    return {**kept, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "use_sliding_window": False}
+
+
+def build_model_config(d: dict, where: str):
+    """The transformers config of a checked config dict (train.py's switches resolved: dense_variant). Keys its class
+    does not define are refused: transformers would keep them as inert attributes, so MoE fields under model_type
+    llama, say, would train a dense model."""
+    from transformers import AutoConfig
+
+    d = dict(dense_variant(d, where))
     model_type = d.pop("model_type")
     try:
         config = AutoConfig.for_model(model_type, **d)
@@ -369,6 +424,11 @@ def load_model_config(model_config: str, init_from: str, seq_len: int, meta: dic
     d = read_config_json(path, where)
     check_model_fields(d, where)
     config = build_model_config(d, where)
+    if init_from and "qk_norm" in d:  # from_pretrained reads its weights as the model_type's, which has no such key
+        raise UserError(
+            f'{where} has "qk_norm", a switch of train.py\'s --model_config files that transformers does not read: '
+            'its weights load as a plain llama; remove the key (an export with QK-norm says "model_type": "qwen3")'
+        )
     if init_from:
         if meta is not None and config.vocab_size < meta["vocab_size"]:
             raise UserError(

@@ -23,6 +23,7 @@ its `embed_tokens` and `shared_head.head` as the released checkpoint stores them
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 
@@ -53,6 +54,9 @@ def attach(model, depth: int, seed: int) -> None:
 
     decoder, config = model.get_decoder(), model.config
     layer_cls, norm_cls = type(decoder.layers[-1]), type(decoder.norm)
+    if getattr(config, "layer_types", None):  # a layer's kind by its index (Qwen3's): a block is the last layer's kind
+        config = copy.deepcopy(config)
+        config.layer_types = [*config.layer_types, *config.layer_types[-1:] * depth]
     zero3 = is_deepspeed_zero3_enabled()
     with torch.random.fork_rng(devices=[]), contextlib.ExitStack() as stack:
         torch.manual_seed(seed + 1_000_003)

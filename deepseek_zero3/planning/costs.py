@@ -130,8 +130,9 @@ def memory_plan(c, launch: Launch, micro_batch_size: int, seq_len: int, gradient
     2P/n in host RAM.
     Activations saved for backward (activations_per_token), per token and layer of a Llama block (the count of
     Korthikanti et al. 2022 redone for RMSNorm, RoPE and SwiGLU, no dropout): two norm inputs (2h), attention input,
-    q, k, v, rotated q and k, attention output (4h + 3 kv), MLP input, gate, up, SiLU and product (h + 4 ffn), plus
-    2 a s for eager attention's score matrices; MLA and MoE layers as activations_per_token says. Checkpointing
+    q, k, v, rotated q and k, attention output (2h + 3q + 3 kv; q = h unless a head_dim of the config's own sets it
+    apart), MLP input, gate, up, SiLU and product (h + 4 ffn), with QK-norm the normalised q and k (q + kv), plus 2 a s
+    for eager attention's score matrices; MLA and MoE layers as activations_per_token says. Checkpointing
     keeps each layer's input and recomputes one layer at a time. The loss: loss_bytes (the whole logits, or one chunk).
     MTP modules (mtp_depth): their parameters, each block's activations as one more layer, each depth's loss.
     Muon (muon: the parameters it updates, recipe/optimizer.py): one fp32 momentum for those, not Adam's two moments.

@@ -21,16 +21,39 @@ GIB = 2**30
 FIT_FRACTION = 0.95
 
 
+def head_dim(c) -> int:
+    """A dense (Llama, Qwen3) config's per-head width: its head_dim, hidden_size / num_attention_heads where it has
+    none."""
+    return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+
+def dense_widths(c) -> tuple[int, int]:
+    """A dense attention's query width (heads x head_dim; o_proj's input) and key/value width (its key/value heads x
+    head_dim), which a head_dim of the config's own sets apart from hidden_size."""
+    return c.num_attention_heads * head_dim(c), c.num_key_value_heads * head_dim(c)
+
+
+def has_qk_norm(c) -> bool:
+    """Whether a dense config has QK-norm: transformers' Qwen3, what a llama config's "qk_norm": true builds."""
+    return getattr(c, "model_type", "") == "qwen3"
+
+
 def llama_param_counts(c) -> dict:
-    """Parameter counts of a Llama/DeepSeek config without building it: total, non-embedding, largest tensor."""
+    """Parameter counts of a dense (Llama/DeepSeek LLM, or Qwen3: Llama with QK-norm) config without building it:
+    total, non-embedding, largest tensor. A layer: q, k, v and o projections, the MLP's gate, up and down, two norms;
+    with its switches, the attention's biases (attention_bias: q, k, v and o), the MLP's (mlp_bias: gate, up, down) and
+    QK-norm's two head_dim weights; the output layer unless tied (tie_word_embeddings)."""
     h, v, f, n_layers = c.hidden_size, c.vocab_size, c.intermediate_size, c.num_hidden_layers
-    kv = c.num_key_value_heads * (h // c.num_attention_heads)
-    layer = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
+    q, kv = dense_widths(c)
+    layer = 2 * h * q + 2 * h * kv + 3 * h * f + 2 * h
+    layer += (q + 2 * kv + h) * bool(getattr(c, "attention_bias", False))
+    layer += (2 * f + h) * bool(getattr(c, "mlp_bias", False))
+    layer += 2 * head_dim(c) * has_qk_norm(c)
     embed = v * h
     head = 0 if c.tie_word_embeddings else v * h
     total = embed + head + n_layers * layer + h
-    return {"total": total, "non_embedding": total - embed, "largest_tensor": max(embed, h * f), "per_layer": layer,
-            "mtp_layer": layer, "mtp_layer_activated": layer}  # fmt: skip
+    return {"total": total, "non_embedding": total - embed, "largest_tensor": max(embed, h * f, h * q),
+            "per_layer": layer, "mtp_layer": layer, "mtp_layer_activated": layer}  # fmt: skip
 
 
 def flops_per_token(n_params_non_embedding: int, n_layers: int, hidden_size: int, seq_len: int) -> float:
@@ -111,8 +134,8 @@ def muon_matrices(c, mtp_depth: int = 0) -> list[tuple[int, int, int]]:
         return [(2, width, h), (1, h, width)]  # gate and up, down
 
     if not is_moe(c):
-        kv = c.num_key_value_heads * (h // c.num_attention_heads)
-        layer = [(2, h, h), (2, kv, h), *mlp(c.intermediate_size)]
+        q, kv = dense_widths(c)
+        layer = [(1, q, h), (2, kv, h), (1, h, q), *mlp(c.intermediate_size)]
         return [(n * (c.num_hidden_layers + mtp_depth), r, k) for n, r, k in layer] + [(mtp_depth, h, 2 * h)]
     heads, qk = c.num_attention_heads, c.qk_nope_head_dim + c.qk_rope_head_dim
     q = [(1, c.q_lora_rank, h), (1, heads * qk, c.q_lora_rank)] if c.q_lora_rank else [(1, heads * qk, h)]
@@ -145,17 +168,17 @@ def newton_schulz_flops(c, mtp_depth: int = 0, steps: int = 5) -> float:
 def model_flops_per_token(c, seq_len: int, mtp_depth: int = 0) -> float:
     """Training FLOPs per token of a config, what MFU counts (PaLM's model FLOPs, Chowdhery et al. 2022, appendix B):
     6 x activated non-embedding parameters (a MoE layer counts only the experts a token goes to) + 6 L T x the
-    attention's query-key and value widths (12 L H T for Llama; MLA's per-head query-key width is qk_nope + qk_rope,
-    its value width v_head_dim). The attention term is PaLM's and nanoGPT's: every one of the T x T query-key pairs,
-    not the causal half a kernel that skips the masked blocks computes, so MFU compares with theirs. Each MTP module
-    adds its block as one more layer and one more use of the output layer (the head's vocab x hidden matmul, per
-    depth). No recomputation (hardware_flops_per_token adds it) and no optimizer work (Muon's Newton-Schulz is
+    attention's query-key and value widths (12 L H T for Llama, whose widths are heads x head_dim = H; MLA's per-head
+    query-key width is qk_nope + qk_rope, its value width v_head_dim). The attention term is PaLM's and nanoGPT's:
+    every one of the T x T query-key pairs, not the causal half a kernel that skips the masked blocks computes, so MFU
+    compares with theirs. Each MTP module adds its block as one more layer and one more use of the output layer (the
+    head's vocab x hidden matmul, per depth). No recomputation (hardware_flops_per_token adds it) and no optimizer work (Muon's Newton-Schulz is
     newton_schulz_flops): the same model and tokens give the same FLOPs however they are trained."""
     counts = param_counts(c, mtp_depth)
     if is_moe(c):
         widths = c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
     else:
-        widths = 2 * c.hidden_size
+        widths = 2 * dense_widths(c)[0]
     layers = c.num_hidden_layers + mtp_depth
     heads = mtp_depth * c.vocab_size * c.hidden_size
     return 6 * (counts["activated_non_embedding"] + heads) + 6 * layers * seq_len * widths
@@ -170,9 +193,9 @@ def checkpointed_flops_per_token(c, seq_len: int, mtp_depth: int = 0) -> float:
     tests/test_mfu.py checks this against torch's FLOP counter on the dense and the MoE + MTP presets."""
     h = c.hidden_size
     if not is_moe(c):
-        kv = c.num_key_value_heads * (h // c.num_attention_heads)
-        weights = 2 * h * h + 2 * h * kv + 3 * h * c.intermediate_size
-        return (c.num_hidden_layers + mtp_depth) * (2 * weights + 4 * seq_len * h - 2 * h * c.intermediate_size)
+        q, kv = dense_widths(c)
+        weights = 2 * h * q + 2 * h * kv + 3 * h * c.intermediate_size
+        return (c.num_hidden_layers + mtp_depth) * (2 * weights + 4 * seq_len * q - 2 * h * c.intermediate_size)
     qk = c.qk_nope_head_dim + c.qk_rope_head_dim
     q = h * c.num_attention_heads * qk if not c.q_lora_rank else (h + c.num_attention_heads * qk) * c.q_lora_rank
     kv = h * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank * c.num_attention_heads * (
@@ -234,8 +257,9 @@ def _layer_activations(c, seq_len: int, attn: str) -> list[int]:
     h, a = c.hidden_size, c.num_attention_heads
     eager = 2 * a * seq_len if attn == "eager" else 0
     if not is_moe(c):
-        kv = c.num_key_value_heads * (h // a)
-        return [7 * h + 3 * kv + 4 * c.intermediate_size + eager] * c.num_hidden_layers
+        q, kv = dense_widths(c)
+        qk_norm = (q + kv) * has_qk_norm(c)  # the normalised q and k, beside the projections' outputs
+        return [4 * h + 3 * q + 3 * kv + qk_norm + 4 * c.intermediate_size + eager] * c.num_hidden_layers
     qk = c.qk_nope_head_dim + c.qk_rope_head_dim
     attention = 3 * h + 2 * a * qk + c.kv_lora_rank + c.qk_rope_head_dim + a * (qk + c.v_head_dim) + a * c.v_head_dim
     moe_ffn = (c.num_experts_per_tok + c.n_shared_experts) * c.moe_intermediate_size
