@@ -68,8 +68,8 @@ class Config:
                               "out: 0; default: in proportion to their sizes)", resume="free")
     document_masking: bool = field(True, "each packed document attends only to itself, positions restarting at 0 "
                                          "(--no_document_masking: across the whole window)")
-    model_config: str = field("tiny", "preset in model_configs/ (deepseek-7b, deepseek-1.3b, small, mini, tiny), "
-                                      "a config.json, or a model directory")
+    model_config: str = field("tiny", "preset in model_configs/ (deepseek-7b, deepseek-1.3b, small, mini, tiny, "
+                                      "tiny-qk-norm, deepseek-v3-*), a config.json, or a model directory")
     init_from: str = field("", "Hugging Face model directory to start from (its weights); default: random init")
     output_dir: str = field("runs/tiny", "metrics, checkpoints, final model and loss curve go here", resume="own")
     seq_len: int = field(256, "tokens per training sequence")
