@@ -9,12 +9,15 @@ downstream tasks (HellaSwag, ARC, ...) through lm-evaluation-harness itself; of 
     python eval.py --model runs/1.3b/final --tasks core --batch_size 32                  # the harness's core tasks
     python eval.py --model runs/1.3b/checkpoints/step_500 --tasks core --dataset wikitext-2  # a checkpoint, both
     python eval.py --model runs/1.3b --tasks my_task --include_path my_tasks/            # newest intact checkpoint
+    python eval.py --model runs/1.3b --prompt "The history of" --seed 1 --max_new_tokens 40  # what it writes
 
 --model is a Hugging Face model directory (or Hub id), a train.py checkpoint (OUT/checkpoints/step_N: its ZeRO-3
 shards consolidated in memory by DeepSpeed, nothing written), or a run directory OUT (its newest intact checkpoint).
 --tasks runs lm-evaluation-harness's own tasks through its Python API and its HF model class on that model: the
 numbers of `lm_eval --model hf` on the same model, dtype and batch size. Without --tasks the perplexity is of
 --dataset (default wikitext-2); with --tasks, perplexity is added only when --dataset is given.
+--prompt (or --prompt_file) continues text with transformers' generate (deepseek_zero3/evaluation/generate.py) instead
+of scoring, unless --dataset or --tasks is given too.
 
 WikiText (the Hub presets, local wiki.*.raw files) is scored as the harness scores it: the pages of
 EleutherAI/wikitext_document_level (a local file is split into exactly those pages), each page passed through the
@@ -141,16 +144,11 @@ def check_finite(report: dict, model, dtype: torch.dtype) -> None:
         return
     bad = [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
     if dtype == torch.float16:
-        why = (
-            "the model's activations overflow float16's range (65504"
-            + ("; so do its weights" if bad else "")
-            + "), as those of a model trained in bfloat16 or float32 can: score it with --dtype bfloat16 or float32"
-        )
+        why = "the model's activations overflow float16's range (65504" + ("; so do its weights" if bad else "") + \
+              "), as those of a model trained in bfloat16 or float32 can: score it with --dtype bfloat16 or float32"
     elif bad:
-        why = (
-            f"the model's weights are not finite ({len(bad)} tensors, e.g. {bad[0]}), a diverged run's: score an "
-            "earlier checkpoint"
-        )
+        why = f"the model's weights are not finite ({len(bad)} tensors, e.g. {bad[0]}), a diverged run's: score an " \
+              "earlier checkpoint"
     elif dtype != torch.float32:
         why = f"the model's activations overflow {str(dtype).replace('torch.', '')}: score it with --dtype float32"
     else:

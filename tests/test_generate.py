@@ -4,6 +4,7 @@ run directory or a ZeRO-3 checkpoint; train.py writes greedy samples at each val
 import json
 
 import pytest
+from conftest import metrics
 from test_eval import bare_model  # noqa: F401 - the fixture: a random Llama and its BPE, no data needed
 
 import eval as ev
@@ -135,3 +136,46 @@ def test_held_out_prompts_take_document_starts_from_each_source_in_turn():
     b = np.array([*range(100, 140), eos])
     prompts = generate.held_out_prompts([Source(a), Source(b)], eos)
     assert prompts == [[eos, *range(1, 1 + n)], [eos, *range(100, 100 + n)], [eos, *range(50, 50 + n)]]
+    # a validation window that cuts its one long document (no EOS in it) still gives that document's start
+    assert generate.held_out_prompts([Source(np.arange(1, 40))], eos) == [[eos, *range(1, 1 + n)]]
+
+
+@pytest.mark.launch
+def test_samples_at_each_validation_of_a_zero3_run(ref_run):
+    """conftest's ref_run (3 ZeRO-3 processes, --eval_every 5 --sample_tokens 4): metrics.jsonl's validation records at
+    steps 0, 5 and 10 each hold the 3 held-out prompts' greedy continuations and the seconds they took, the console
+    shows them, and the model card shows the last ones. That they change nothing in training is test_train.py's
+    test_resume_is_exact (a run without samples at step 5 equals this one to 1e-6) and test_reshard.py's."""
+    out, proc = ref_run
+    validations = [r for r in metrics(out) if "val_loss" in r]
+    assert [r["step"] for r in validations] == [0, 5, 10]
+    for record in validations:
+        assert len(record["samples"]) == 3 and record["sample_s"] > 0, record
+        assert all(s["prompt"] and 1 <= s["new_tokens"] <= 4 for s in record["samples"]), record["samples"]
+    assert [s["prompt"] for s in validations[0]["samples"]] == [s["prompt"] for s in validations[-1]["samples"]]
+    assert proc.stdout.count("\n  sample 1: [") == 3 and "| samples " in proc.stdout
+    card = (out / "final" / "README.md").read_text()
+    assert "## Samples (step 10)" in card and "greedy decoding" in card and "up to 4 tokens" in card
+    last = validations[-1]["samples"][0]
+    assert f"{last['prompt']}{last['continuation']}" in card
+    # what the run wrote at its end, eval.py writes from its export (greedy, the same 4 tokens, the same prompt ids)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    final = AutoModelForCausalLM.from_pretrained(out / "final").eval()
+    tokenizer = AutoTokenizer.from_pretrained(out / "final")
+    prompt = [tokenizer.eos_token_id, *tokenizer(last["prompt"], add_special_tokens=False)["input_ids"]]
+    again = generate.continue_prompts(final, tokenizer, [prompt], generate.Sampling(max_new_tokens=4), "cpu")
+    assert again[0]["continuation"] == last["continuation"]
+
+
+def test_metrics_jsonl_keeps_a_validation_record_with_samples(tmp_path):
+    """Seen failing with the reader's old rule (every value a scalar): the record was dropped as a torn line, and a
+    resume's cut-back (truncate_metrics) deleted it."""
+    from deepseek_zero3.run_dir import metrics as metrics_lib
+
+    path = tmp_path / "metrics.jsonl"
+    sample = {"prompt": "def f", "continuation": "(x):", "new_tokens": 3, "ended": False}
+    metrics_lib.append(path, {"step": 5, "val_loss": 2.0, "samples": [sample], "sample_s": 0.5})
+    metrics_lib.append(path, {"step": 6, "loss": 1.0, "bad": [[1]]})
+    records, bad = metrics_lib.read_metrics(path)
+    assert records == [{"step": 5, "val_loss": 2.0, "samples": [sample], "sample_s": 0.5}] and bad == 1

@@ -165,7 +165,7 @@ def held_out_prompts(sources, eos_id: int, count: int = DEFAULT_PROMPTS) -> list
     found = []
     for source in sources:
         tokens = source.val_tokens
-        starts = [0, *(int(i) + 1 for i in (tokens == eos_id).nonzero()[0])]
+        starts = [0, *(int(i) + 1 for i in (tokens == eos_id).nonzero()[0]), len(tokens)]  # the last one may be cut
         found.append([tokens[a : a + PROMPT_TOKENS].tolist() for a, b in itertools.pairwise(starts)
                       if b - a > PROMPT_TOKENS + 1])  # fmt: skip
     prompts = []
@@ -194,7 +194,6 @@ class TrainingSamples:
     prompts: list[list[int]]
     sampling: Sampling
     tokenizer: object
-    seconds: float = 0.0  # all validations' sampling time so far, kept out of tokens/s as validation is
 
     @classmethod
     def of_run(cls, cfg, data, tokenizer, context: int) -> TrainingSamples | None:
@@ -228,6 +227,4 @@ class TrainingSamples:
         # generate's forwards (other shapes, a KV cache) may have made ZeRO-3 record a forward-only trace: forgotten,
         # as after validation at step 0, so that training's next step records its own (lmloss explains why)
         forget_zero3_eval_trace(model)
-        seconds = time.perf_counter() - t0
-        self.seconds += seconds
-        return samples, seconds
+        return samples, time.perf_counter() - t0
