@@ -216,7 +216,7 @@ def ref_run(docs_data, tmp_path_factory):
     """The reference run: 3 processes x micro-batch 2 = global batch 6, 10 steps, checkpoints at steps 4, 8 and 10
     (test_reshard.py resumes step 4 on other numbers of processes), an EMA of the weights (--ema_decay: per ZeRO-3
     partition, which every resume on 3, 2 or 1 processes must carry exactly), validation with samples of 4 tokens at
-    steps 0, 5 and 10 (the runs compared with it take none at step 5: samples must not change the training);
+    steps 0, 5 and 10 (the runs compared with it do not sample at step 5 and train on: samples change no training);
     returns (OUT, the CompletedProcess)."""
 
     def make(directory: Path):

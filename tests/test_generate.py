@@ -179,3 +179,21 @@ def test_metrics_jsonl_keeps_a_validation_record_with_samples(tmp_path):
     metrics_lib.append(path, {"step": 6, "loss": 1.0, "bad": [[1]]})
     records, bad = metrics_lib.read_metrics(path)
     assert records == [{"step": 5, "val_loss": 2.0, "samples": [sample], "sample_s": 0.5}] and bad == 1
+
+
+def test_mtp_modules_beside_an_export_are_said_unused(bare_model, tmp_path, capsys):  # noqa: F811
+    """An export with DeepSeek-V3's MTP modules beside it (final/mtp.safetensors) continues with the main model, and
+    one line says so; the text is the main model's alone (the same as without the file)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    model = tmp_path / "with_mtp"
+    shutil.copytree(bare_model, model)
+    save_file({"model.layers.2.eh_proj.weight": torch.zeros(16, 32)}, model / "mtp.safetensors")
+    args = ["--prompt", "The lazy dog", "--max_new_tokens", 8, "--temperature", 0]
+    code, out, err = generated(capsys, "--model", model, *args)
+    assert code == 0, err
+    assert out.count("MTP modules are not used for sampling") == 1
+    assert continuations(out) == continuations(generated(capsys, "--model", bare_model, *args)[1])
