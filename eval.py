@@ -9,12 +9,15 @@ downstream tasks (HellaSwag, ARC, ...) through lm-evaluation-harness itself; of 
     python eval.py --model runs/1.3b/final --tasks core --batch_size 32                  # the harness's core tasks
     python eval.py --model runs/1.3b/checkpoints/step_500 --tasks core --dataset wikitext-2  # a checkpoint, both
     python eval.py --model runs/1.3b --tasks my_task --include_path my_tasks/            # newest intact checkpoint
+    python eval.py --model runs/1.3b --prompt "The history of" --seed 1 --max_new_tokens 40  # what it writes
 
 --model is a Hugging Face model directory (or Hub id), a train.py checkpoint (OUT/checkpoints/step_N: its ZeRO-3
 shards consolidated in memory by DeepSpeed, nothing written), or a run directory OUT (its newest intact checkpoint).
 --tasks runs lm-evaluation-harness's own tasks through its Python API and its HF model class on that model: the
 numbers of `lm_eval --model hf` on the same model, dtype and batch size. Without --tasks the perplexity is of
 --dataset (default wikitext-2); with --tasks, perplexity is added only when --dataset is given.
+--prompt (or --prompt_file) continues text with transformers' generate (deepseek_zero3/evaluation/generate.py) instead
+of scoring, unless --dataset or --tasks is given too.
 
 WikiText (the Hub presets, local wiki.*.raw files) is scored as the harness scores it: the pages of
 EleutherAI/wikitext_document_level (a local file is split into exactly those pages), each page passed through the
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import math
 import os
 import re
@@ -45,10 +49,10 @@ from huggingface_hub.errors import StrictDataclassError
 from deepseek_zero3 import cli, distributed
 from deepseek_zero3.cli import UserError, field, write_json_atomic
 from deepseek_zero3.data import corpora, documents
-from deepseek_zero3.evaluation import harness_tasks
-from deepseek_zero3.model import models
+from deepseek_zero3.evaluation import generate, harness_tasks
+from deepseek_zero3.model import models, mtp
 from deepseek_zero3.model.lmloss import make_windows, score_windows, validation_loss
-from deepseek_zero3.run_dir import card, metrics, run_model
+from deepseek_zero3.run_dir import card, checkpoint, metrics, run_model
 from deepseek_zero3.tokens import token_data
 
 
@@ -86,6 +90,18 @@ class Config:
     include_path: str = field("", "directory of task YAML files of your own (the harness's --include_path)")
     num_fewshot: int = field(-1, "examples in each task's context (-1: the task's own setting)")
     limit: float = field(0, "score only the first N examples of each task (below 1: that fraction; 0: all)")
+    # generation: what the model writes (instead of scores, unless --dataset or --tasks is given too)
+    prompt: list[str] = dataclasses.field(default_factory=list, metadata={"action": "append", "help":
+                        "continue this text with the model (repeatable); prints the continuations, no scores unless "
+                        "--dataset or --tasks asks for them too"})
+    prompt_file: str = field("", "continue each prompt of this text file: one per blank-line-separated block")
+    max_new_tokens: int = field(64, "with --prompt: tokens to write after each prompt at most (the model's EOS token "
+                                    "ends a continuation earlier)")
+    temperature: float = field(0.8, "with --prompt: sampling temperature (0: greedy, the most likely token each time)")
+    top_k: int = field(0, "with --prompt: sample among the k most likely tokens only (0: off)")
+    top_p: float = field(1.0, "with --prompt: sample within the smallest set of tokens of this much probability "
+                              "(nucleus sampling; 1: off)")
+    seed: int = field(0, "with --prompt: the random seed of each prompt's sampling (the same seed, the same text)")
 # fmt: on
 
 
@@ -475,17 +491,20 @@ def task_settings(cfg: Config, num_processes: int) -> harness_tasks.TaskSettings
 
 
 def evaluate(cfg: Config) -> dict:
-    """The report: perplexity on --dataset and/or the harness's --tasks, of the model --model names. Everything that
-    can be refused (flags, documents, task names and their datasets, a checkpoint) is, before the model is built."""
+    """The report: perplexity on --dataset and/or the harness's --tasks, and/or the continuations of --prompt, of the
+    model --model names. Everything that can be refused (flags, documents, prompts, task names and their datasets, a
+    checkpoint) is, before the model is built."""
     from accelerate import PartialState
 
     # On CPUs the process group must be asked for (cpu=True): without it torchrun's processes each score everything.
     state = PartialState(cpu=cfg.device == "cpu" or not torch.cuda.is_available())
     device = torch.device(cfg.device) if cfg.device else state.device
     check_flags(cfg)
-    say_device(cfg, state, device, model_dtype(cfg, device))
+    prompts, sampling = prompt_texts(cfg)
     settings = task_settings(cfg, state.num_processes)
-    cfg = dataclasses.replace(cfg, dataset=cfg.dataset or ("" if settings else "wikitext-2"))
+    verb = "generating" if prompts and not (cfg.dataset or settings) else "scoring"
+    say_device(cfg, state, device, model_dtype(cfg, device), verb)
+    cfg = dataclasses.replace(cfg, dataset=cfg.dataset or ("" if settings or prompts else "wikitext-2"))
     ckpt = run_model.find_checkpoint(cfg.model, cfg.tokenizer)
     if ckpt is None:  # the model and tokenizer files, before the documents are read (they can take minutes)
         check_model_files("--model", cfg.model)
@@ -498,6 +517,7 @@ def evaluate(cfg: Config) -> dict:
     tokenizer = load_tokenizer(cfg, ckpt)
     if packed is not None:
         check_packed_tokenizer(cfg, tokenizer, packed)
+    prompt_ids = checked_prompts(cfg, ckpt, tokenizer, prompts, sampling)
     model, tokenizer, prefix = load_model(cfg, device, ckpt, tokenizer)
     report = {"model": cfg.model}
     if ckpt is not None:
@@ -510,11 +530,72 @@ def evaluate(cfg: Config) -> dict:
         results = harness_tasks.run_tasks(model, tokenizer, settings, tasks)
         report.update(harness_tasks.task_report(results, settings))
     check_finite(report, model, model.dtype)
+    if prompt_ids and state.is_main_process:  # the model is whole on every process: one writes
+        report["generation"] = continuations(cfg, ckpt, (model, tokenizer), prompt_ids, sampling)
     report.update(dtype=str(model.dtype).replace("torch.", ""), processes=state.num_processes)
     return report
 
 
-def say_device(cfg: Config, state, device: torch.device, dtype: torch.dtype) -> None:
+def prompt_texts(cfg: Config) -> tuple[list[str], generate.Sampling]:
+    """--prompt's and --prompt_file's prompts (none: no generation) and the sampling settings, checked."""
+    prompts = [p for given in cfg.prompt for p in ([given] if isinstance(given, str) else given)]  # argparse: lists
+    for i, text in enumerate(prompts):
+        if not text.strip():
+            raise UserError(f"--prompt {text!r} (prompt {i + 1}) is empty; give text to continue")
+    if cfg.prompt_file:
+        prompts += generate.read_prompt_file(cfg.prompt_file)
+    sampling = generate.Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed)
+    if prompts:
+        generate.check_sampling(sampling)
+        if cfg.update_card and not (cfg.dataset or cfg.tasks):
+            raise UserError("--update_card adds scores to the card, and --prompt alone scores nothing: add --dataset "
+                            "(or --tasks), or drop --update_card")  # fmt: skip
+    return prompts, sampling
+
+
+def model_context(cfg: Config, ckpt: run_model.RunCheckpoint | None) -> int:
+    """The model's context (max_position_embeddings), from its config alone: prompts are refused before it is built."""
+    from transformers import AutoConfig
+
+    config = checkpoint.read_model_config(ckpt.path) if ckpt is not None else AutoConfig.from_pretrained(cfg.model)
+    return config.max_position_embeddings
+
+
+def checked_prompts(cfg: Config, ckpt, tokenizer, prompts: list[str], sampling) -> list[list[int]]:
+    """Each prompt's token ids after the start token, each with room for --max_new_tokens in the model's context."""
+    if not prompts:
+        return []
+    context = model_context(cfg, ckpt)
+    ids = []
+    for i, text in enumerate(prompts):
+        where = f"prompt {i + 1} ({cli.shown(text[:40])}{'...' if len(text) > 40 else ''})"
+        ids.append(generate.prompt_ids(tokenizer, text, where))
+        generate.check_room(ids[-1], sampling.max_new_tokens, context, where)
+    return ids
+
+
+def has_mtp(cfg: Config, ckpt: run_model.RunCheckpoint | None) -> bool:
+    """Whether MTP modules came with the model: a checkpoint of a run with --mtp_depth, or an export's mtp.safetensors."""
+    if ckpt is not None:
+        state = json.loads((ckpt.path / "trainer_state.json").read_text())
+        return bool(state.get("config", {}).get("mtp_depth", 0))
+    return (Path(cfg.model).expanduser() / mtp.EXPORT_FILE).is_file()
+
+
+def continuations(cfg: Config, ckpt, loaded: tuple, prompt_ids: list[list[int]], sampling) -> dict:
+    """The report's "generation": the settings, and each prompt's continuation (generate.continue_prompts)."""
+    model, tokenizer = loaded
+    if has_mtp(cfg, ckpt):
+        print("note: the model's MTP modules are not used for sampling: the continuations are the main model's, one "
+              "token per forward")  # fmt: skip
+    t0 = time.perf_counter()
+    samples = generate.continue_prompts(model, tokenizer, prompt_ids, sampling, model.device)
+    seconds = time.perf_counter() - t0
+    return {**dataclasses.asdict(sampling), "settings": sampling.describe(), "samples": samples,
+            "seconds": seconds, "new_tokens_per_s": sum(s["new_tokens"] for s in samples) / seconds}  # fmt: skip
+
+
+def say_device(cfg: Config, state, device: torch.device, dtype: torch.dtype, verb: str = "scoring") -> None:
     """The first lines: the device and dtype the model is scored on, and why there is no GPU where CUDA_VISIBLE_DEVICES
     hid them all (a README command once named a fourth GPU on a machine of three: fp32 on the CPU, unsaid). A --device
     cuda with none visible is refused."""
@@ -527,7 +608,7 @@ def say_device(cfg: Config, state, device: torch.device, dtype: torch.dtype) -> 
         return
     name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
     processes = f", {state.num_processes} processes" if state.num_processes > 1 else ""
-    print(f"scoring on {device}{name} in {str(dtype).removeprefix('torch.')}{processes}", flush=True)
+    print(f"{verb} on {device}{name} in {str(dtype).removeprefix('torch.')}{processes}", flush=True)
     if note := distributed.no_gpu_note(device, cfg.device):
         print(note, flush=True)
 
@@ -598,6 +679,14 @@ def print_report(report: dict) -> None:
         batch_size = report["task_settings"]["batch_size"]
         print(f"{model}, lm-evaluation-harness tasks, {report['dtype']}, batch size {batch_size}, {processes}")
         print(harness_tasks.results_table(report))
+    if "generation" in report:
+        gen = report["generation"]
+        print(f"{model} continues {len(gen['samples'])} prompt(s): {gen['settings']}, {report['dtype']} "
+              f"({gen['new_tokens_per_s']:,.1f} new tokens/s, {gen['seconds']:.1f}s)")  # fmt: skip
+        for i, sample in enumerate(gen["samples"], 1):
+            end = ", the end of the document" if sample["ended"] else ""
+            print(f"=== prompt {i}\n{sample['prompt']}\n--- continuation ({sample['new_tokens']} tokens{end})")
+            print(sample["continuation"])
 
 
 def main(argv: list[str] | None = None) -> int:

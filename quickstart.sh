@@ -3,7 +3,7 @@
 # (4:19-6:33 on an AMD EPYC with bf16 units, two sessions; on CPUs without them not timed since Muon became the default for mini).
 #   1. prepare_data.py: the built-in python-docs corpus, a 4096-token byte-level BPE trained on it
 #   2. train.py: a 5M-parameter DeepSeek-architecture model, 3 CPU processes under DeepSpeed ZeRO-3, 300 steps
-#   3. eval.py: perplexity of the exported model on the held-out documents
+#   3. eval.py: perplexity of the exported model on the held-out documents, and a sample of what it writes
 # Run it with `make quickstart` (which sets up .venv), or directly in an environment that has requirements.txt.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -27,6 +27,8 @@ OMP_NUM_THREADS=1 accelerate launch --config_file accelerate_configs/zero3_cpu.y
     --seq_len 128 --micro_batch_size 8 --max_steps 300 --warmup_steps 30 --lr 2e-3 \
     --log_every 25 --eval_every 100 --save_every 100
 python eval.py --model "$OUT/final" --dataset "$DATA" --split validation --max_length 512 --output_json "$OUT/eval_validation.json"
+# What the trained model writes (README, "Results"): greedy, so the same text on every machine that computes alike.
+python eval.py --model "$OUT/final" --prompt "The for statement" --temperature 0 --max_new_tokens 40 --output_json "$OUT/sample.json"
 
 python - "$OUT" <<'PY'
 import json, sys

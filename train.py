@@ -32,6 +32,7 @@ import torch
 
 from deepseek_zero3 import cli, distributed
 from deepseek_zero3.cli import UserError, field
+from deepseek_zero3.evaluation.generate import TrainingSamples
 from deepseek_zero3.model import models, moe, mtp
 from deepseek_zero3.model.lmloss import DEFAULT_CHUNK_TOKENS, document_positions, loss_path, model_nll
 from deepseek_zero3.model.lmloss import validation_losses
@@ -111,6 +112,11 @@ class Config:
     log_every: int = field(10, "optimizer steps between metric lines", resume="free")
     eval_every: int = field(100, "optimizer steps between validation runs (0: only at start and end)", resume="free")
     eval_tokens: int = field(1 << 20, "validation tokens of each source per evaluation (0: all of them)", resume="free")
+    sample_tokens: int = field(32, "at each validation, continue --sample_prompts by this many tokens, greedy (to the "
+                                   "console, metrics.jsonl, the trackers and the model card; 0: no samples)",
+                               resume="free")
+    sample_prompts: str = field("", "the samples' prompts: one prompt, or @FILE with one per blank-line-separated block "
+                                    "(default: the first 16 tokens of 3 held-out validation documents)", resume="free")
     save_every: int = field(100, "optimizer steps between checkpoints (0: only at the end)", resume="free")
     keep_last: int = field(2, "complete checkpoints to keep", resume="free")
     resume: str = field("", "'auto' (newest complete checkpoint in OUT, if any) or a checkpoint directory",
@@ -279,6 +285,7 @@ class Run:
     total_steps: int
     schedule: Schedule
     resume: checkpoint.Resume | None
+    samples: TrainingSamples | None = None  # --sample_tokens: what the model writes at each validation
 
     def identity(self) -> dict:
         """What a checkpoint must match to be resumed by this run (and the global batch: reshard.py)."""
@@ -319,7 +326,7 @@ def check_flags(cfg: Config) -> None:
     never_negative = ("max_steps", "warmup_steps", "lr_decay_steps", "eval_every", "save_every", "eval_tokens",
                       "moe_bias_update_speed", "moe_aux_loss_alpha", "loss_chunk_tokens", "max_grad_norm",
                       "max_skipped_steps", "decay_branch", "decay_start_step", "mtp_loss_weight",
-                      "profile_steps")  # fmt: skip
+                      "profile_steps", "sample_tokens")  # fmt: skip
     for name in never_negative:
         value = getattr(cfg, name)
         if value < 0:
@@ -391,7 +398,8 @@ def check(cfg: Config, given: set[str], accelerator) -> Run:
     schedule, note = fitted(schedule_for(cfg, total_steps), "warmup_steps" in given)
     if note:
         accelerator.print(note)
-    return Run(cfg, data, tokenizer, model_config, launch, batch, total_steps, schedule, resume)
+    samples = TrainingSamples.of_run(cfg, data, tokenizer, model_config.max_position_embeddings)
+    return Run(cfg, data, tokenizer, model_config, launch, batch, total_steps, schedule, resume, samples)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -574,7 +582,8 @@ def train(cfg: Config, given: set[str]) -> int:
             for s in run.data.sources
             if token_data.num_windows(len(s.val_tokens), cfg.seq_len)
         }
-        record, console = metrics.validation_record(run, step, losses)
+        samples = run.samples.take(model, accelerator) if run.samples else None  # greedy, on every process
+        record, console = metrics.validation_record(run, step, losses, samples)
         log(record, console)
         resilience.check_validation(record, step)  # the same on every process: the losses are reduced over all
 

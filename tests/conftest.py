@@ -76,6 +76,8 @@ TINY = [
     "2",
     "--lr",
     "3e-3",
+    "--sample_tokens",  # no samples at validation: 3 ZeRO-3 processes take ~8 s for 3 x 32 tokens (ref_run takes some)
+    "0",
 ]
 
 
@@ -214,11 +216,14 @@ def docs_data(tmp_path_factory) -> Path:
 def ref_run(docs_data, tmp_path_factory):
     """The reference run: 3 processes x micro-batch 2 = global batch 6, 10 steps, checkpoints at steps 4, 8 and 10
     (test_reshard.py resumes step 4 on other numbers of processes), an EMA of the weights (--ema_decay: per ZeRO-3
-    partition, which every resume on 3, 2 or 1 processes must carry exactly); returns (OUT, the CompletedProcess)."""
+    partition, which every resume on 3, 2 or 1 processes must carry exactly), validation with samples of 4 tokens at
+    steps 0, 5 and 10 (the runs compared with it do not sample at step 5 and train on: samples change no training);
+    returns (OUT, the CompletedProcess)."""
 
     def make(directory: Path):
         args = [*TINY, "--max_steps", "10", "--micro_batch_size", "2", "--data_dir", docs_data, "--output_dir",
-                directory / "out", "--save_every", "4", "--keep_last", "3", "--ema_decay", "0.9"]  # fmt: skip
+                directory / "out", "--save_every", "4", "--keep_last", "3", "--ema_decay", "0.9", "--eval_every", "5",
+                "--sample_tokens", "4"]  # fmt: skip
         return directory / "out", launch(3, *args)
 
     return once_for_all_workers(tmp_path_factory, "ref", make)
@@ -255,7 +260,8 @@ def train_for_30_steps(docs_data: Path, directory: Path) -> Path:
 STEPS = 24
 HALF = 12
 MOE = ["--model_config", "deepseek-v3-tiny", "--seq_len", "32", "--log_every", "1", "--eval_every", "0",
-       "--eval_tokens", "2048", "--warmup_steps", "2", "--lr", "3e-3", "--moe_bias_update_speed", "0.003"]  # fmt: skip
+       "--eval_tokens", "2048", "--warmup_steps", "2", "--lr", "3e-3", "--moe_bias_update_speed", "0.003",
+       "--sample_tokens", "0"]  # fmt: skip
 
 
 def train_moe(nproc: int, out, data, *extra, micro_batch_size=None):
@@ -281,7 +287,8 @@ def moe_ref(docs_data, tmp_path_factory):
 
 def ema_of(ckpt: Path) -> dict:
     """The EMA a checkpoint holds (run_dir/state.py's files: one per process under ZeRO-3, else one), whole: each
-    parameter's flat average over every process's partition, cut to its number of elements."""
+    parameter's flat average, its processes' partitions put together (saved without ZeRO-3's padding, whose values are
+    whatever memory DeepSpeed left there: weights.local_weights)."""
     from deepseek_zero3.model import weights
 
     shards = sorted(ckpt.glob("state-ema-rank*.pt"), key=lambda p: int(p.stem.rsplit("rank", 1)[1]))

@@ -31,6 +31,7 @@ from conftest import (
 
 from deepseek_zero3.cli import UserError
 from deepseek_zero3.run_dir import checkpoint
+from deepseek_zero3.run_dir.trackers import wandb_offline_history
 
 STEPS = ["--max_steps", "10"]
 
@@ -111,7 +112,8 @@ def test_resume_is_exact(ref, docs_data, tmp_path):
     the run's settings logged once (seen to fail with the tracker's run id not kept: two W&B ids, two trackio runs)."""
     out, env = tmp_path / "resumed", tracker_env(tmp_path)
     launch(3, *TINY, "--micro_batch_size", "2", "--data_dir", docs_data, "--output_dir", out, "--lr_decay_steps", "10",
-           "--max_steps", "5", "--log_with", "wandb,trackio,tensorboard", "--ema_decay", "0.9", env=env)  # fmt: skip
+           "--max_steps", "5", "--log_with", "wandb,trackio,tensorboard", "--ema_decay", "0.9", "--sample_tokens", "2",
+           env=env)  # fmt: skip
     proc = launch(3, "--output_dir", out, "--max_steps", "10", "--resume", "auto", "--log_every", "5", env=env)
     assert "resumed from" in proc.stdout and "step_5" in proc.stdout
     taken = next(l for l in proc.stdout.splitlines() if l.startswith("settings from step_5:"))
@@ -148,6 +150,15 @@ def test_resume_is_exact(ref, docs_data, tmp_path):
     scalars = [(e.step, e.value) for e in board.Scalars("loss")]
     assert [s for s, _ in scalars] == [s for s, _ in logged], scalars
     assert [v for _, v in scalars] == pytest.approx([v for _, v in logged], rel=1e-6)  # stored as float32
+    # The samples of each validation (steps 0, 5 and 10) as text: TensorBoard's text tab, W&B's and trackio's tables.
+    # (this reader hides a resumed segment's rewritten steps for scalars only: the text of steps 0 and 5 is there twice)
+    assert sorted({e.step for e in board.Tensors("samples/text_summary")}) == [0, 5, 10]
+    tables = [(step, row["samples/_type"]) for step, row in wandb_offline_history(out / "wandb")[1] if "samples/_type" in row]
+    assert tables == [(0, "table-file"), (5, "table-file"), (10, "table-file")], tables
+    code = ("import json; from trackio.sqlite_storage import SQLiteStorage as S; p = 'deepseek-zero3'; print(json.dumps("
+            "[l['step'] for r in S.get_runs(p) for l in S.get_logs(p, r) if 'samples' in l]))")  # fmt: skip
+    held = run([sys.executable, "-c", code], env={"TRACKIO_DIR": str(tmp_path / "trackio")}).stdout.splitlines()[-1]
+    assert json.loads(held) == [0, 5, 10]
 
 
 def test_validation_loss_falls_and_final_model_loads(trained, docs_data):

@@ -16,6 +16,8 @@ import os
 import platform
 from pathlib import Path
 
+from deepseek_zero3.cli import one_line
+
 CARD = "README.md"
 EVAL_HEADING = "## Scores from eval.py"
 
@@ -101,6 +103,31 @@ def mtp_line(cfg) -> str:
             "layout (decoder layer num_hidden_layers + k - 1); `val_mtp_loss_k` is module k's loss.")  # fmt: skip
 
 
+def samples_section(cfg, val: dict, seconds: float) -> str:
+    """The card's samples: what the final model wrote at the run's last validation (train.py --sample_tokens), with
+    the settings that made them and the seconds all the run's samples took; nothing where the run took none."""
+    samples = val.get("samples")
+    if not samples:
+        return ""
+    prompts = ("the first 16 tokens of held-out validation documents" if not cfg.sample_prompts else
+               "the run's --sample_prompts")  # fmt: skip
+    blocks = "\n\n".join(
+        f"{i}. prompt: `{one_line(s['prompt'])}`\n\n```text\n{s['prompt']}{s['continuation']}\n```"
+        + ("\n\n(the model ended the document there)" if s.get("ended") else "")
+        for i, s in enumerate(samples, 1)
+    )
+    return f"""
+## Samples (step {val["step"]})
+
+What this model writes: greedy decoding (the most likely token each time) of up to {cfg.sample_tokens} tokens after
+{prompts}, by transformers' `generate` at the run's last validation, whose weights are these. Each block is the
+prompt followed by the continuation. The samples of all validations took {seconds:.1f} s, not counted in the time in
+training steps. `python eval.py --model path/to/final --prompt "..."` continues text of your own.
+
+{blocks}
+"""
+
+
 def write_card(final: Path, run, records: list[dict]) -> Path:
     """final/README.md for `run` (train.py's Run), atomically. records: OUT/metrics.jsonl's."""
     from huggingface_hub import ModelCard, ModelCardData
@@ -170,7 +197,7 @@ deepseek-zero3 scripts. Everything below was measured by the run itself.
 {scores}
 
 `val_loss` is nats per token; `val_bpb` bits per UTF-8 byte of text, comparable across tokenizers.
-
+{samples_section(cfg, val, sum(r.get("sample_s", 0) for r in records))}
 ## Use
 
 ```python

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from deepseek_zero3.cli import write_atomic, write_json_atomic
+from deepseek_zero3.evaluation import generate
 from deepseek_zero3.planning import model_math
 from deepseek_zero3.planning.model_math import GIB
 from deepseek_zero3.run_dir import trackers
@@ -150,9 +151,10 @@ def perplexity(loss: float) -> float:
         return math.inf
 
 
-def validation_record(run, step: int, losses: dict[str, list[float]]) -> tuple[dict, str]:
+def validation_record(run, step: int, losses: dict[str, list[float]], samples=None) -> tuple[dict, str]:
     """The record (validation_metrics) and console line of a validation at `step`; losses: each source's main loss,
-    then its MTP depths' (`val_mtp_loss_k`, the sources weighted as for val_loss)."""
+    then its MTP depths' (`val_mtp_loss_k`, the sources weighted as for val_loss); samples: (what the model wrote, the
+    seconds it took), generate.TrainingSamples.take's, as `samples` (a list) and `sample_s`, a line each."""
     record = {"step": step, "tokens": step * run.batch.tokens_per_step}
     record.update(validation_metrics(run.data.sources, run.data.weights, {n: v[0] for n, v in losses.items()}))
     for k in range(1, len(next(iter(losses.values()), [0]))):
@@ -165,6 +167,11 @@ def validation_record(run, step: int, losses: dict[str, list[float]]) -> tuple[d
         console += "".join(f" | {name} {loss[0]:.4f}" for name, loss in losses.items())
     depths = [(k[13:], v) for k, v in record.items() if k.startswith("val_mtp_loss_") and "/" not in k]
     console += "".join(f" | MTP {k} {v:.4f}" for k, v in depths)
+    if samples is not None:
+        record["samples"], record["sample_s"] = samples
+        console += f" | samples {record['sample_s']:.1f}s" + "".join(
+            f"\n  sample {i}: {generate.shown(s)}" for i, s in enumerate(record["samples"], 1)
+        )
     return record, console
 
 
@@ -243,6 +250,10 @@ def append(metrics_path: Path, record: dict) -> None:
 
 
 def scalar(value) -> bool:
+    """A value metrics.jsonl holds: a number, a string or null; or, a validation's `samples`, a list of records of
+    those."""
+    if isinstance(value, list):
+        return all(isinstance(v, dict) and all(map(scalar, v.values())) for v in value)
     return value is None or isinstance(value, (int, float, str))
 
 

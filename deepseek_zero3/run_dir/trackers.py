@@ -126,7 +126,7 @@ class Trackers:
                 if self.replaying:  # held: so is an earlier resume's marker, which goes with what follows it
                     self.pending.pop(name, None)
                 continue
-            sent = {**self.pending.pop(name, {}), **values}
+            sent = {**self.pending.pop(name, {}), **values, **samples_as(name, record.get("samples"))}
             if name == "mlflow":  # its file store cannot hold both "val_loss" and "val_loss/python-docs"
                 sent = {k.replace("/", "."): v for k, v in sent.items()}
             try:
@@ -150,6 +150,26 @@ class Trackers:
                 self._drop(tracker.name, f"failed to finish ({type(e).__name__}: {e})")
         self.accelerator.trackers = []
         self.accelerator.end_training()
+
+
+def samples_as(name: str, samples: list[dict] | None) -> dict:
+    """A validation's samples (train.py --sample_tokens) as the tracker shows text: a table for W&B and trackio
+    (step, prompt, continuation), Markdown for TensorBoard's text tab; MLflow's metrics take numbers only."""
+    if not samples:
+        return {}
+    columns = ["sample", "prompt", "continuation"]
+    rows = [[i, s["prompt"], s["continuation"]] for i, s in enumerate(samples, 1)]
+    if name == "wandb":
+        import wandb
+
+        return {"samples": wandb.Table(columns=columns, data=rows)}
+    if name == "trackio":
+        import trackio
+
+        return {"samples": trackio.Table(columns=columns, data=rows)}
+    if name == "tensorboard":  # Markdown: a prompt in bold, then its continuation, as a code block keeps it as it is
+        return {"samples": "\n\n".join(f"**{i}.** `{p!r}` →\n\n    " + c.replace("\n", "\n    ") for i, p, c in rows)}
+    return {}
 
 
 def _finite(v) -> bool:
