@@ -121,17 +121,18 @@ def varlen_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, 
     groups = getattr(module, "num_key_value_groups", 1)
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     position_ids = position_ids.expand(query.shape[0], -1)
-    rows = []
+    # One output in the layout transformers wants, each document's result written into its slice: no copy of the
+    # whole beyond what SDPA's own causal path makes (its output, then that output made contiguous).
+    out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
     for b, documents in enumerate(_documents(position_ids)):
-        q, k, v = query[b : b + 1], key[b : b + 1], value[b : b + 1]
-        parts = [
-            torch.nn.functional.scaled_dot_product_attention(
-                q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], dropout_p=dropout, is_causal=True, scale=scaling
+        for s, e in documents:
+            # 4-D slices: on a CPU, 3-D ones leave SDPA's flash kernel for its math path (a T x T matrix per head)
+            q, k, v = query[b : b + 1, :, s:e], key[b : b + 1, :, s:e], value[b : b + 1, :, s:e]
+            part = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout, is_causal=True, scale=scaling
             )
-            for s, e in documents
-        ]
-        rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
-    return torch.cat(rows).transpose(1, 2).contiguous(), None
+            out[b : b + 1, s:e] = part.transpose(1, 2)
+    return out, None
 
 
 def _no_mask(*args, **kwargs):

@@ -186,7 +186,7 @@ def memory_plan(c, launch: Launch, micro_batch_size: int, seq_len: int, gradient
         "loss": loss_bytes(s * b, c.vocab_size, c.hidden_size, act_b, loss_chunk_tokens, mtp_depth),
         "attention_mask": attention.mask_bytes(
             kernel, b, s, document_masking, act_b, len(per_layer), gradient_checkpointing
-        ),  # fmt: skip
+        ),
     }
     # ZeRO-Infinity pins buffer_count (4) fp32 buffers of its largest sub-group (sub_group_size, 1e9, or the shard).
     swap_buffers = 4 * min(NVME_SUB_GROUP, p / n) * 4
