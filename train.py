@@ -33,7 +33,7 @@ import torch
 from deepseek_zero3 import cli, distributed
 from deepseek_zero3.cli import UserError, field
 from deepseek_zero3.evaluation.generate import TrainingSamples
-from deepseek_zero3.model import models, moe, mtp
+from deepseek_zero3.model import attention, models, moe, mtp
 from deepseek_zero3.model.lmloss import DEFAULT_CHUNK_TOKENS, document_positions, loss_path, model_nll
 from deepseek_zero3.model.lmloss import validation_losses
 from deepseek_zero3.planning import breakdown, plan
@@ -157,7 +157,10 @@ class Config:
                                    resume="free")
     gradient_checkpointing: bool = field(False, "recompute activations in backward (less memory, ~30%% more compute)",
                                          resume="free")
-    attn_implementation: str = field("sdpa", "attention kernel: sdpa or eager", resume="free")
+    attn_implementation: str = field("auto", "attention kernel: auto (by device and dtype: flash_attention_2 or "
+                                             "flex_attention on CUDA, varlen_sdpa elsewhere; the first lines name it), "
+                                             "varlen_sdpa, flex_attention, flash_attention_2, or sdpa / eager (a dense "
+                                             "document mask: the fallback); docs/architecture.md", resume="own")
     moe_bias_update_speed: float = field(0.001, "MoE models (deepseek-v3-*): how far each router's per-expert bias "
                                                 "moves after every step toward balanced loads (DeepSeek-V3's gamma; "
                                                 "0: off)")
@@ -344,8 +347,8 @@ def check_flags(cfg: Config) -> None:
         raise UserError(f"--lr {cfg.lr} must be positive and --min_lr_ratio {cfg.min_lr_ratio} within [0, 1]")
     check_schedule_flags(cfg)
     optimizer_lib.check(cfg, None)
-    if cfg.attn_implementation not in ("sdpa", "eager"):
-        raise UserError(f"--attn_implementation {cfg.attn_implementation!r} must be sdpa or eager")
+    if cfg.attn_implementation not in attention.KERNELS:
+        raise UserError(attention.refusal(cfg.attn_implementation, "cpu", "fp32", False))
     if 0 < cfg.eval_tokens < cfg.seq_len:
         raise UserError(f"--eval_tokens {cfg.eval_tokens} is less than one validation window of --seq_len "
                         f"{cfg.seq_len} tokens; raise it, or 0 for the whole validation split")  # fmt: skip
@@ -390,6 +393,7 @@ def check(cfg: Config, given: set[str], accelerator) -> Run:
                 models.check_init_from(cfg.init_from, tokenizer, data.meta["eos_id"])
     cfg = dataclasses.replace(cfg, mtp_depth=mtp.depth_of(cfg.mtp_depth, model_config))  # -1: the model's own
     launch = distributed.live_launch(accelerator)
+    cfg = choose_attention(cfg, model_config, launch, accelerator)
     cfg = optimizer_lib.resolve(cfg, given, launch)  # auto: by preset and launch; Muon: unclipped
     check_flags(cfg)  # the depth resolved is below --seq_len too
     optimizer_lib.check(cfg, launch)
@@ -400,6 +404,21 @@ def check(cfg: Config, given: set[str], accelerator) -> Run:
         accelerator.print(note)
     samples = TrainingSamples.of_run(cfg, data, tokenizer, model_config.max_position_embeddings)
     return Run(cfg, data, tokenizer, model_config, launch, batch, total_steps, schedule, resume, samples)
+
+
+def choose_attention(cfg: Config, model_config, launch, accelerator) -> Config:
+    """The attention kernel for this device and precision (--attn_implementation auto: model/attention.py), said in
+    the run's first lines with a MoE model's expert path; a kernel that cannot train here is refused."""
+    device, flash = accelerator.device.type, attention.flash_installed()
+    kernel = attention.choose(cfg.attn_implementation, device, launch.precision, cfg.document_masking, flash)
+    why = attention.refusal(kernel, device, launch.precision, flash)
+    if why:
+        raise UserError(why)
+    accelerator.print(attention.describe(kernel, cfg.document_masking))
+    experts = attention.describe_experts(model_config, accelerator.device, launch.precision)
+    if experts:
+        accelerator.print(experts)
+    return dataclasses.replace(cfg, attn_implementation=kernel)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -464,6 +483,7 @@ def build_model(run: Run, accelerator):
 
     cfg = run.cfg
     set_seed(cfg.seed)
+    attention.register()  # varlen_sdpa: a name transformers knows from here on
     model_kwargs = {"attn_implementation": cfg.attn_implementation, "dtype": torch.float32}
     if cfg.init_from and run.resume is None:  # a resumed fine-tune's weights come from its checkpoint
         model = AutoModelForCausalLM.from_pretrained(cfg.init_from, **model_kwargs)

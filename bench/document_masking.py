@@ -4,8 +4,9 @@
 
 3 CPU processes under accelerate_configs/zero3_cpu.yaml (DeepSpeed ZeRO-3, fp32), python-docs with a BPE of 8192,
 micro-batch 4, the two settings alternated for --rounds rounds; steady-state tokens/s skips the first log interval.
-With masking, transformers builds a block-causal mask from the restarting position ids and SDPA leaves its
-`is_causal` fast path; without, SDPA runs plain causal attention. Also recorded: the share of training windows that
+With masking, the kernel `--attn_implementation auto` takes (on a CPU varlen_sdpa: SDPA's causal kernel on each
+document; before it, a dense block-causal mask that took SDPA off its `is_causal` fast path); without, SDPA runs plain
+causal attention. Also recorded: the share of training windows that
 hold more than one document (where the mask changes anything).
 """
 

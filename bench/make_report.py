@@ -24,6 +24,7 @@ ORDER = [
     "loss_memory",
     "tasks_beside_training",
     "document_masking",
+    "document_masking_memory",
     "vs_nanogpt",
     "schedules",
     "mtp",
@@ -116,9 +117,17 @@ SUMMARY = [
     ),
     (
         "document_masking",
-        "train.py with document masking (default) / --no_document_masking, `mini`, seq 512, 3 CPU processes (tokens/s)",
+        "train.py with document masking (default: auto's kernel) / --no_document_masking, `mini`, seq 512, 3 CPU processes "
+        "(tokens/s)",
         "ratio_masked_over_unmasked",
         0.8,
+    ),
+    (
+        "document_masking_memory",
+        "peak RSS, masked (auto on a CPU: varlen_sdpa, no mask) / --no_document_masking, `tiny` with a 4,096 context, "
+        "seq 4,096 x micro 8, 1 CPU process, 2 steps (the dense sdpa fallback's ratio: the section below)",
+        "varlen_over_unmasked",
+        -1.0,
     ),
     (
         "vs_nanogpt",

@@ -36,6 +36,7 @@ BENCHMARKS = [  # (result name, command)
     ("planner_memory", ["bench/planner_memory.py"]),
     ("precision", ["bench/precision.py"]),
     ("document_masking", ["bench/document_masking.py"]),
+    ("document_masking_memory", ["bench/document_masking_memory.py"]),
 ]
 NEEDS_WIKITEXT = {"prepare_vs_tokenizer_wikitext2", "eval_vs_harness"}
 

@@ -115,7 +115,9 @@ def test_moe_run_logs_balance_and_three_processes_equal_one(moe_ref, docs_data, 
     assert all(logged <= set(records[s]) for s in range(1, STEPS + 1))
     assert all("val_mtp_loss_1" in r for r in metrics(out) if "val_loss" in r)
     one = tmp_path / "one"
-    single = train_moe(1, one, docs_data, "--max_steps", STEPS, "--save_every", 0)
+    # the dense document mask on 1 process, varlen_sdpa (auto) on the reference's 3
+    single = train_moe(1, one, docs_data, "--max_steps", STEPS, "--save_every", 0, "--attn_implementation", "sdpa")
+    assert "attention: sdpa, a dense" in single.stdout and "attention: varlen_sdpa" in proc.stdout
     for launched in (proc, single):
         assert "on cpu, torch threads per process: 1" in launched.stdout, launched.stdout[-3000:]
     ones = train_records(one)

@@ -79,16 +79,22 @@ def test_three_processes_partition_the_parameters(ref):
 
 @pytest.fixture(scope="module")
 def one_process(docs_data, tmp_path_factory):
-    """1 process x micro-batch 6 (the reference's global batch), with the full logits (--loss_chunk_tokens 0)."""
+    """1 process x micro-batch 6 (the reference's global batch), with the full logits (--loss_chunk_tokens 0) and the
+    documents kept apart by the dense mask (--attn_implementation sdpa), where the reference's 3 ZeRO-3 processes take
+    `auto`'s varlen_sdpa (no mask)."""
     out = tmp_path_factory.mktemp("one") / "out"
-    args = ("--micro_batch_size", "6", "--loss_chunk_tokens", "0", "--data_dir", docs_data, "--output_dir", out)
+    args = ("--micro_batch_size", "6", "--loss_chunk_tokens", "0", "--data_dir", docs_data, "--output_dir", out,
+            "--attn_implementation", "sdpa")  # fmt: skip
     return out, launch(1, *TINY, *STEPS, *args)
 
 
 def test_one_process_same_global_batch_gives_same_losses(ref, one_process):
-    """... and with the full logits against the reference's chunked loss."""
+    """... and with the full logits against the reference's chunked loss, the dense document mask against the
+    reference's varlen_sdpa."""
     out1, proc = one_process
     assert "; loss: full logits (--loss_chunk_tokens 0)" in proc.stdout
+    assert "\nattention: sdpa, a dense (batch, 1, T, T) document mask: the fallback" in proc.stdout
+    assert "\nattention: varlen_sdpa, SDPA's causal kernel on each document alone" in ref[1].stdout
     assert_same_losses(ref[0], out1, rel=1e-4)
 
 
@@ -347,7 +353,6 @@ def test_init_from_loads_weights_under_zero3(trained, docs_data, tmp_path):
     ["seq_len", "seed", "data_fingerprint", "model_config_hash", "precision", "zero_stage"],
 )
 def test_resume_refuses_any_difference(key):
-
     """The identity a checkpoint must match (the number of processes and the split of the global batch may change:
     test_reshard.py)."""
     state = {

@@ -38,8 +38,8 @@ def document_positions(inputs: torch.Tensor, eos_id: int) -> torch.Tensor:
     """Position ids that restart at 0 at each document's first token: the window's first token and every token after
     an EOS (prepare_data.py appends one to each document, so the EOS closes its document). Handed to a transformers
     model with no attention mask, they make its attention block-causal, each token seeing only its own document
-    (transformers' packed-sequence path: masking_utils.find_packed_sequence_indices for SDPA and eager, varlen for
-    flash attention)."""
+    (model/attention.py: varlen_sdpa per document, transformers' packed-sequence paths for flash-attn's varlen kernel
+    and FlexAttention, a dense mask for sdpa and eager)."""
     index = torch.arange(inputs.shape[-1], device=inputs.device).expand_as(inputs)
     starts = torch.ones_like(inputs, dtype=torch.bool)
     starts[..., 1:] = inputs[..., :-1] == eos_id

@@ -30,12 +30,15 @@ import dataclasses
 import math
 
 from deepseek_zero3.distributed import Launch
+from deepseek_zero3.model import attention
 from deepseek_zero3.planning import measure, model_math
 from deepseek_zero3.planning.model_math import FIT_FRACTION, GIB, is_moe, model_flops_per_token, param_counts
 from deepseek_zero3.recipe import optimizer
 
 # The share of host RAM a plan may fill: the OS, the page cache the data is read through and the launcher need the rest.
 HOST_FIT_FRACTION = 0.9
+# The compute capability a GPU plan assumes where no GPU is at hand: the RTX 4090's (sm89), the card plans target.
+GPU_CAPABILITY = (8, 9)
 # Host RAM a GPU training process takes before the model (CUDA, cuBLAS, NCCL and PyTorch loaded): assumed, not
 # measured here (no GPU); a real run measures its own processes instead (plan.process_rss).
 GPU_PROCESS_HOST_GIB = 3.0
@@ -110,7 +113,8 @@ def with_strategy(launch: Launch, s: Strategy, grad_accum_steps: int) -> Launch:
 
 
 def memory_plan(c, launch: Launch, micro_batch_size: int, seq_len: int, gradient_checkpointing: bool, attn: str,
-                loss_chunk_tokens: int = 0, mtp_depth: int = 0, muon: int = 0, ema: bool = False) -> dict:  # fmt: skip
+                loss_chunk_tokens: int = 0, mtp_depth: int = 0, muon: int = 0, ema: bool = False,
+                document_masking: bool = False) -> dict:  # fmt: skip
     """Bytes per GPU (and per process in host RAM and on NVMe) of one training process, by component.
 
     Model states, mixed precision with Adam (fp32 in brackets), P parameters over n processes:
@@ -138,6 +142,9 @@ def memory_plan(c, launch: Launch, micro_batch_size: int, seq_len: int, gradient
     Muon (muon: the parameters it updates, recipe/optimizer.py): one fp32 momentum for those, not Adam's two moments.
     EMA (--ema_decay, recipe/ema.py): an fp32 average of every parameter where the weights are: 4P per process, 4P/n
     under ZeRO-3, in host RAM with the parameters offloaded.
+    Document masking (attn: the kernel, `auto` as a run on this launch's device resolves it): what the kernel keeps to
+    mask documents, attention.mask_bytes (the dense fallback's b x T^2 mask and per-layer bias; a block index or the
+    position ids otherwise).
     """
     counts = param_counts(c, mtp_depth)
     p, n, stage = counts["total"], launch.world_size, launch.zero_stage
@@ -145,7 +152,8 @@ def memory_plan(c, launch: Launch, micro_batch_size: int, seq_len: int, gradient
     param_b, grad_b, optim_b = (2, 2, 12) if half else (4, 4, 8)
     act_b = 2 if half else 4
     s, b = seq_len, micro_batch_size
-    per_layer = [s * b * values * act_b for values in model_math.activations_per_token(c, s, attn, mtp_depth)]
+    kernel = attention.choose(attn, "cuda" if launch.gpu else "cpu", launch.precision, document_masking, False)
+    per_layer = [s * b * values * act_b for values in model_math.activations_per_token(c, s, kernel, mtp_depth)]
     acts_full = sum(per_layer)
     acts_ckpt = len(per_layer) * s * b * c.hidden_size * act_b + max(per_layer)
     offload_opt = launch.offload_optimizer != "none"
@@ -177,6 +185,9 @@ def memory_plan(c, launch: Launch, micro_batch_size: int, seq_len: int, gradient
         **states,
         "activations": acts_ckpt if gradient_checkpointing else acts_full,
         "loss": loss_bytes(s * b, c.vocab_size, c.hidden_size, act_b, loss_chunk_tokens, mtp_depth),
+        "attention_mask": attention.mask_bytes(
+            kernel, b, s, document_masking, act_b, len(per_layer), gradient_checkpointing
+        ),
     }
     # ZeRO-Infinity pins buffer_count (4) fp32 buffers of its largest sub-group (sub_group_size, 1e9, or the shard).
     swap_buffers = 4 * min(NVME_SUB_GROUP, p / n) * 4
@@ -310,7 +321,8 @@ def step_costs(c, cfg, launch: Launch, micro_batch_size: int, machine: Machine, 
     muon = getattr(cfg, "optimizer", "adamw") == "muon"
     muon_params = model_math.muon_params(c, depth) if muon else 0
     mem = memory_plan(c, launch, micro_batch_size, cfg.seq_len, cfg.gradient_checkpointing, cfg.attn_implementation,
-                      cfg.loss_chunk_tokens, depth, muon_params, bool(getattr(cfg, "ema_decay", 0)))  # fmt: skip
+                      cfg.loss_chunk_tokens, depth, muon_params, bool(getattr(cfg, "ema_decay", 0)),
+                      getattr(cfg, "document_masking", False))  # fmt: skip
     counts = mem["params"]
     ds_host, ds_gpu = deepspeed_estimate(counts, launch)
     need = max(mem["gpu_total"], ds_gpu + mem["gpu"]["activations"] + mem["gpu"]["loss"])
@@ -339,8 +351,11 @@ def step_costs(c, cfg, launch: Launch, micro_batch_size: int, machine: Machine, 
         # Muon's Newton-Schulz: under ZeRO each process orthogonalises a round-robin share of the matrices, under DDP
         # every process all of them (DeepSpeed's single-device class)
         "newton_schulz_s": (
-            model_math.newton_schulz_flops(c, depth) / (launch.world_size if launch.zero_stage else 1)
-            / machine.flops_per_device if muon else 0.0
+            model_math.newton_schulz_flops(c, depth)
+            / (launch.world_size if launch.zero_stage else 1)
+            / machine.flops_per_device
+            if muon
+            else 0.0
         ),
     }
     step_s = sum(seconds.values())
@@ -424,8 +439,15 @@ def strategy_name(launch: Launch) -> str:
     return f"ZeRO-{launch.zero_stage}"
 
 
-def machine_for(cfg, launch: Launch, peak_flops_per_device: float, links: dict | None = None,
-                gpu_memory_gib: float = 0.0, model_rate: float | None = None, paper: bool = False) -> Machine:
+def machine_for(
+    cfg,
+    launch: Launch,
+    peak_flops_per_device: float,
+    links: dict | None = None,
+    gpu_memory_gib: float = 0.0,
+    model_rate: float | None = None,
+    paper: bool = False,
+) -> Machine:
     """The Machine a plan of train.py's Config divides by: measured figures where given (links: measure.measure_links of
     the run; gpu_memory_gib > 0: the device's; model_rate: measure.measure_model_rate's FLOP/s, `paper` or live), else
     the flags (compute: --assumed_mfu of the peak) and, for the device's copy rate, the RTX 4090's datasheet (or an
@@ -455,6 +477,13 @@ def machine_for(cfg, launch: Launch, peak_flops_per_device: float, links: dict |
         peak_flops_per_device=peak,
         timed_without_checkpointing=bool(model_rate),
     )
+
+
+def kernel_of(cfg, launch: Launch) -> str:
+    """The attention kernel a run of cfg takes on this launch's kind of device (`auto` resolved as on that device,
+    flash-attn taken as not installed)."""
+    device = "cuda" if launch.gpu else "cpu"
+    return attention.choose(cfg.attn_implementation, device, launch.precision, cfg.document_masking, False)
 
 
 def plan_report(cfg, c, launch: Launch, machine: Machine, base: float, steps: int) -> tuple[list[str], bool]:
@@ -490,9 +519,16 @@ def plan_report(cfg, c, launch: Launch, machine: Machine, base: float, steps: in
             f"(checkpointing {checkpointing}; on: {mem['activations_with_checkpointing'] / GIB:.2f}, "
             f"off: {mem['activations_without_checkpointing'] / GIB:.2f}) + loss {gpu['loss'] / GIB:.2f} "
             f"({loss_path if cfg.loss_chunk_tokens else 'full logits'})"
-            + (f" + EMA {gpu['ema'] / GIB:.2f}" if gpu["ema"] else "") + f" = {mem['gpu_total'] / GIB:.2f} GiB"
+            + (f" + EMA {gpu['ema'] / GIB:.2f}" if gpu["ema"] else "")
+            + (f" + document mask {gpu['attention_mask'] / GIB:.2f}" if gpu["attention_mask"] else "")
+            + f" = {mem['gpu_total'] / GIB:.2f} GiB"
         ),
+        "  " + attention.describe(kernel_of(cfg, launch), getattr(cfg, "document_masking", False)),
     ]
+    if is_moe(c) and launch.gpu:
+        capability = attention.cuda_capability() or GPU_CAPABILITY
+        name, cost = attention.expert_path("cuda", capability, launch.precision, True)
+        lines.append(f"  MoE experts (sm{capability[0]}{capability[1]}, {launch.precision}): {name}, {cost}")
     if launch.zero_stage:
         lines.append(
             f"  DeepSpeed's ZeRO-{launch.zero_stage} estimator: {costs['ds_gpu'] / GIB:.2f} GiB model states per "
@@ -509,8 +545,11 @@ def plan_report(cfg, c, launch: Launch, machine: Machine, base: float, steps: in
     lines.append(
         f"  step: {costs['tokens']:,} tokens, {costs['step_s']:.2f} s = {costs['compute_s']:.2f} s compute at "
         f"{machine.flops_per_device / 1e12:.3g} TFLOP/s per {where} ({machine.compute_source})"
-        + (f" with the checkpointed layers' forward again (+{checkpointed / flops_tok:.0%} FLOPs)"
-           if cfg.gradient_checkpointing and machine.timed_without_checkpointing else "")  # fmt: skip
+        + (
+            f" with the checkpointed layers' forward again (+{checkpointed / flops_tok:.0%} FLOPs)"
+            if cfg.gradient_checkpointing and machine.timed_without_checkpointing
+            else ""
+        )  # fmt: skip
         + f" + {costs['comm_s']:.2f} s for {moved['link'] / 1e9:.2f} GB per process over the link "
         + (f"and {costs['all_reduce_hidden_s']:.3g} s behind the backward " if costs["all_reduce_hidden_s"] else "")
         + f"(all-reduce {machine.link_gb_s:.3g}, all-gather {machine.gather_gb_s:.3g}, reduce-scatter "
