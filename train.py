@@ -343,6 +343,8 @@ def check_flags(cfg: Config) -> None:
         raise UserError(f"--step_timeout_s {cfg.step_timeout_s} must be -1 (automatic), 0 (off) or a number of seconds")
     if cfg.max_steps == 0 and cfg.num_epochs <= 0:
         raise UserError(f"--num_epochs {cfg.num_epochs} must be positive when --max_steps is 0")
+    if not 0 <= cfg.ema_decay < 1:  # nan fails too; 1 would never move, above 1 or below 0 grows without bound
+        raise UserError(f"--ema_decay {cfg.ema_decay} must be within [0, 1) (0: no EMA; e.g. 0.999)")
     if not cfg.lr > 0 or not 0 <= cfg.min_lr_ratio <= 1:
         raise UserError(f"--lr {cfg.lr} must be positive and --min_lr_ratio {cfg.min_lr_ratio} within [0, 1]")
     check_schedule_flags(cfg)

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -53,10 +54,28 @@ def pytest_collection_modifyitems(items):
 
 
 def refuse_launch_in_fast_tier(args) -> None:
-    words = [str(a) for a in args]
-    launcher = any(Path(w).name in ("accelerate", "torchrun") for w in words[:1]) or "torch.distributed.run" in words
-    if launcher and os.environ.get("TEST_TIER") == "fast":
-        pytest.fail(f"{' '.join(words[:3])} ... in make test-fast: mark this test @pytest.mark.launch", pytrace=False)
+    if os.environ.get("TEST_TIER") != "fast":
+        return
+    words = shlex.split(args) if isinstance(args, str) else [str(a) for a in args]
+    words = [w for word in words for w in (shlex.split(word) if " " in word else [word])]  # bash -c "..." too
+    names = [Path(w).name for w in words]
+    launcher = "torchrun" in names or any(
+        n == "accelerate" and nxt == "launch" for n, nxt in zip(names, names[1:])
+    ) or any(m in w for w in words for m in ("torch.distributed.run", "accelerate.commands.launch"))
+    if launcher:
+        pytest.fail(f"{' '.join(words[:4])} ... in make test-fast: mark this test @pytest.mark.launch", pytrace=False)
+
+
+if os.environ.get("TEST_TIER") == "fast":  # every child process a test starts, not only those conftest.run starts
+    _popen_init = subprocess.Popen.__init__
+
+    def _guarded_popen_init(self, args, *more, **kw):
+        refuse_launch_in_fast_tier(args)
+        _popen_init(self, args, *more, **kw)
+
+    subprocess.Popen.__init__ = _guarded_popen_init
+
+
 CPU_CONFIG = "accelerate_configs/zero3_cpu.yaml"
 # A tiny run: 64-wide 2-layer model, 32-token sequences, global batch 6 on 3 processes.
 TINY = [

@@ -74,8 +74,10 @@ def test_a_prompt_is_continued_and_the_same_seed_gives_the_same_text(bare_model,
     "args, said",
     [
         (["--prompt", ""], "--prompt '' (prompt 1) is empty"),
-        (["--prompt", "ok", "--prompt", " \n "], "(prompt 2) is empty"),
-        (["--prompt", "ok", "--temperature", "-0.5"], "--temperature -0.5 must be 0 (greedy) or positive"),
+        (["--prompt", "ok", "--prompt", "abc\udcff", "--max_new_tokens", "8"], "prompt 2 (abc\\udcff) is not valid UTF-8"),  # \xff on a command line
+        (["--prompt", "ok", "--temperature", "-0.5"], "--temperature -0.5 must be 0 (greedy) or a positive finite"),
+        (["--prompt", "ok", "--temperature", "inf"], "--temperature inf must be 0 (greedy) or a positive finite"),
+        (["--prompt", "ok", "--seed", str(10**20)], f"--seed {10**20} must be within [0, 2^63)"),
         (["--prompt", "ok", "--top_p", "0"], "--top_p 0.0 must be in (0, 1]"),
         (["--prompt", "ok", "--top_p", "1.01"], "--top_p 1.01 must be in (0, 1]"),
         (["--prompt", "ok", "--top_k", "-1"], "--top_k -1 must be 0 (off)"),

@@ -41,6 +41,8 @@ class Sampling:
 
     def describe(self) -> str:
         how = "greedy" if not self.temperature else f"temperature {self.temperature:g}"
+        if not self.temperature and (self.top_k or self.top_p < 1):
+            how += " (--top_k and --top_p apply to sampling only: ignored)"
         if self.temperature and self.top_k:
             how += f", top_k {self.top_k}"
         if self.temperature and self.top_p < 1:
@@ -57,8 +59,10 @@ def check_sampling(s: Sampling) -> None:
     """Each setting on its own terms (the context is checked per prompt, check_room)."""
     if s.max_new_tokens < 1:
         raise UserError(f"--max_new_tokens {s.max_new_tokens} must be at least 1")
-    if not s.temperature >= 0:  # NaN too
-        raise UserError(f"--temperature {s.temperature} must be 0 (greedy) or positive (sampling)")
+    if not 0 <= s.temperature < float("inf"):  # NaN too
+        raise UserError(f"--temperature {s.temperature} must be 0 (greedy) or a positive finite number (sampling)")
+    if not 0 <= s.seed < 2**63:
+        raise UserError(f"--seed {s.seed} must be within [0, 2^63) (torch's random seed)")
     if not 0 < s.top_p <= 1:
         raise UserError(f"--top_p {s.top_p} must be in (0, 1] (1: off): the share of probability mass sampled from")
     if s.top_k < 0:
@@ -97,18 +101,22 @@ def start_token(tokenizer) -> int:
 
 def prompt_ids(tokenizer, prompt: str, where: str) -> list[int]:
     """The token ids of a prompt as the model continues it: the start token, then the prompt's own tokens."""
-    if not prompt.strip():
+    if not prompt:  # whitespace is text (an indentation, a newline: what a code model continues)
         raise UserError(f"{where} is empty; give text to continue")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:  # bytes the command line or environment gave that are no UTF-8 character
+        raise UserError(f"{where} is not valid UTF-8 text; give the prompt as UTF-8") from None
     return [start_token(tokenizer), *tokenizer(prompt, add_special_tokens=False)["input_ids"]]
 
 
-def check_room(ids: list[int], max_new_tokens: int, context: int, where: str) -> None:
+def check_room(ids: list[int], max_new_tokens: int, context: int, where: str, flag: str = "--max_new_tokens") -> None:
     """The prompt and its continuation fit the model's context (max_position_embeddings)."""
     if len(ids) >= context:
         raise UserError(f"{where} is {len(ids) - 1} tokens (after the start token), which leaves no room in the "
                         f"model's context of {context} tokens; shorten it")  # fmt: skip
     if len(ids) + max_new_tokens > context:
-        raise UserError(f"--max_new_tokens {max_new_tokens} after {where} of {len(ids) - 1} tokens (+ the start token) "
+        raise UserError(f"{flag} {max_new_tokens} after {where} of {len(ids) - 1} tokens (+ the start token) "
                         f"is past the model's context of {context} tokens; lower it to at most "
                         f"{context - len(ids)}")  # fmt: skip
 
@@ -208,8 +216,9 @@ class TrainingSamples:
             prompts = held_out_prompts(data.sources, eos)
         else:
             prompts = [[eos, *prompt_ids(tokenizer, t, "--sample_prompts' prompt")[1:]] for t in texts]
+        where = "a held-out document's first tokens" if texts is None else "--sample_prompts' prompt"
         for ids in prompts:
-            check_room(ids, cfg.sample_tokens, context, "--sample_prompts' prompt")
+            check_room(ids, cfg.sample_tokens, context, where, "--sample_tokens")
         return cls(prompts, sampling, tokenizer) if prompts else None
 
     def take(self, model, accelerator) -> tuple[list[dict], float]:

@@ -120,11 +120,12 @@ def varlen_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     groups = getattr(module, "num_key_value_groups", 1)
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    position_ids = position_ids.expand(query.shape[0], -1)
     # One output in the layout transformers wants, each document's result written into its slice: no copy of the
     # whole beyond what SDPA's own causal path makes (its output, then that output made contiguous).
     out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
-    for b, documents in enumerate(_documents(position_ids)):
+    rows = _documents(position_ids)  # keyed on the model's own tensor (an expanded view is new each call)
+    rows = rows * query.shape[0] if len(rows) == 1 else rows  # one row of positions broadcast over the batch
+    for b, documents in enumerate(rows):
         for s, e in documents:
             # 4-D slices: on a CPU, 3-D ones leave SDPA's flash kernel for its math path (a T x T matrix per head)
             q, k, v = query[b : b + 1, :, s:e], key[b : b + 1, :, s:e], value[b : b + 1, :, s:e]

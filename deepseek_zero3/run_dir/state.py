@@ -55,7 +55,8 @@ def save(ckpt: Path, pieces: dict, accelerator, finaliser: bool) -> None:
             continue
         state = obj.state_dict()
         if getattr(obj, "sharded", False):
-            torch.save({"world_size": accelerator.num_processes, "state": state}, shard_file(ckpt, name, rank))
+            torch.save({"world_size": accelerator.num_processes, "rank": rank, "state": state},
+                       shard_file(ckpt, name, rank))  # fmt: skip
             continue
         if accelerator.num_processes > 1 and len(set(gather_object([digest(state)]))) > 1:
             raise UserError(
@@ -67,16 +68,26 @@ def save(ckpt: Path, pieces: dict, accelerator, finaliser: bool) -> None:
             torch.save(state, replicated_file(ckpt, name))
 
 
+def saved_names(ckpt: Path) -> set[str]:
+    """The pieces a checkpoint holds (from its files' names)."""
+    return {p.name[len("state-"):].rsplit(".pt", 1)[0].split("-rank")[0] for p in ckpt.glob("state-*.pt")}
+
+
 def load(ckpt: Path, pieces: dict, accelerator, say=print) -> None:
-    """Each piece's state from checkpoint `ckpt` (the original, never a universal copy)."""
+    """Each piece's state from checkpoint `ckpt` (the original, never a universal copy). A piece the checkpoint holds
+    that this run does not keep (an EMA resumed with --ema_decay 0) is said: the next checkpoints will not have it."""
     rank, world = accelerator.process_index, accelerator.num_processes
+    for name in sorted(saved_names(ckpt) - {n for n, obj in pieces.items() if obj is not None}):
+        say(f"note: {ckpt.name} holds state {name!r}, which this run does not keep (its flag is off): it is not "
+            f"carried on, and checkpoints from here on will not have it ({ckpt} still does)")  # fmt: skip
     for name, obj in pieces.items():
         if obj is None:
             continue
         try:
             state = _read(ckpt, name, obj, rank, world)
             if state is None:
-                say(f"note: {ckpt.name} holds no state {name!r} (saved before it existed): it starts fresh")
+                say(f"note: {ckpt.name} holds no state {name!r} (saved before it existed, or by a run without it): it "
+                    f"starts fresh")  # fmt: skip
                 if hasattr(obj, "restart"):  # from the resumed weights, say, not those the model was built with
                     obj.restart()
                 continue
@@ -99,10 +110,10 @@ def _read(ckpt: Path, name: str, obj, rank: int, world: int):
     files = sorted(ckpt.glob(f"state-{name}-rank*.pt"))
     if not files:
         return None
-    first = torch.load(shard_file(ckpt, name, 0), weights_only=False)
+    first = _shard(ckpt, name, 0)
     saved_world = int(first["world_size"])
     if saved_world == world:
-        return torch.load(shard_file(ckpt, name, rank), weights_only=False)["state"] if rank else first["state"]
+        return _shard(ckpt, name, rank)["state"] if rank else first["state"]
     if not hasattr(obj, "reshard"):
         raise UserError(
             f"cannot resume {ckpt} on {world} processes: its state {name!r} is one share per process of "
@@ -114,6 +125,16 @@ def _read(ckpt: Path, name: str, obj, rank: int, world: int):
             f"cannot resume {ckpt} on {world} processes: its state {name!r} lacks the shares of processes {missing} "
             f"(node-local disks: copy every machine's state-{name}-rank*.pt into it)"
         )
-    states = [first["state"]] + [torch.load(shard_file(ckpt, name, r), weights_only=False)["state"]
-                                 for r in range(1, saved_world)]  # fmt: skip
+    states = [first["state"]] + [_shard(ckpt, name, r)["state"] for r in range(1, saved_world)]
     return obj.reshard(states, rank, world)
+
+
+def _shard(ckpt: Path, name: str, rank: int) -> dict:
+    """Process `rank`'s file of a sharded piece; a file another process wrote (copied or renamed between processes or
+    machines) is refused, not resumed as this process's share."""
+    path = shard_file(ckpt, name, rank)
+    saved = torch.load(path, weights_only=False)
+    if saved.get("rank", rank) != rank:
+        raise UserError(f"{path} holds process {saved['rank']}'s share of {name!r}, not process {rank}'s (copied or "
+                        f"renamed?): put each process's own file back, or resume from another checkpoint")  # fmt: skip
+    return saved
