@@ -1,7 +1,7 @@
 # The two README commands. Both create .venv and install requirements.txt first (once; again when it changes).
 #   make quickstart   the whole pipeline on the CPU: prepare python-docs, train 3 ZeRO-3 processes, evaluate
 #   make test         the test suite (real multi-process ZeRO-3 runs on the CPU, 2 workers; docs/testing.md)
-#   make test-fast    the edit loop: every test that starts no multi-process launch
+#   make test-fast    the edit loop: no multi-process launch, no minute-long single run (about a minute)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -22,4 +22,4 @@ test: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests -n 2 --dist loadfile --durations=12
 
 test-fast: setup
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" TEST_TIER=fast $(PY) -m pytest tests -m "not launch" -n 2 --durations=8
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" TEST_TIER=fast $(PY) -m pytest tests -m "not launch and not slow" -n 2 --durations=8

@@ -43,6 +43,8 @@ LAUNCH_FIXTURES = {"ref_run", "trained", "moe_ref",  # conftest's, shared by man
 def pytest_configure(config):
     config.addinivalue_line("markers", "launch: starts several processes (accelerate launch, torchrun); not in make "
                                        "test-fast")  # fmt: skip
+    config.addinivalue_line("markers", "slow: one process but seconds to minutes (a script run in a child process, a "
+                                       "compile); not in make test-fast")  # fmt: skip
 
 
 def pytest_collection_modifyitems(items):

@@ -83,6 +83,7 @@ def test_plan_counts_the_mask_each_kernel_keeps():
     assert dense["gpu_total"] - costs.memory_plan(c, CPU_FP32, b, t, False, "sdpa")["gpu_total"] == mask("sdpa")
 
 
+@pytest.mark.slow
 def test_plan_names_the_kernel_and_the_expert_path():
     """train.py --plan on paper for the 3-GPU config (fp16, an RTX 4090 assumed): FlexAttention for the masked
     documents, and the MoE preset's experts on torch's slow grouped_mm path; bf16 on the same card is no faster."""
@@ -96,6 +97,7 @@ def test_plan_names_the_kernel_and_the_expert_path():
     assert "a dense (batch, 1, T, T) document mask: the fallback" in dense
 
 
+@pytest.mark.slow
 def test_run_names_its_kernel_and_refuses_one_that_cannot_train(docs_data, tmp_path):
     """The first line of a run says which kernel it takes; flex_attention on a CPU is one error line, exit 2."""
     args = [sys.executable, "train.py", "--model_config", "tiny", "--seq_len", "32", "--data_dir", str(docs_data)]

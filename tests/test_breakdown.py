@@ -37,6 +37,7 @@ print(json.dumps({"timed": {k: v / steps for k, v in timed.items()}, "split": re
 """
 
 
+@pytest.mark.slow
 def test_the_profile_splits_a_step_as_timing_its_parts_does(tmp_path):
     proc = run([sys.executable, "-c", TIMED_BY_HAND], env={"PORT": str(free_port())})
     got = json.loads(proc.stdout.strip().splitlines()[-1])

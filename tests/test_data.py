@@ -120,6 +120,7 @@ def test_python_docs_needs_no_network_or_files(docs_data):
     assert sum(len(d.encode()) for d in held) == meta["splits"]["validation"]["bytes"]
 
 
+@pytest.mark.slow
 def test_second_identical_run_is_a_no_op(docs_data):
     before = (docs_data / "train.bin").stat().st_mtime_ns
     t0 = time.perf_counter()
@@ -129,6 +130,7 @@ def test_second_identical_run_is_a_no_op(docs_data):
     assert time.perf_counter() - t0 < 60  # seconds, not a re-tokenization (generous: a loaded CI machine)
 
 
+@pytest.mark.slow
 def test_other_inputs_need_overwrite(docs_data, tmp_path):
     proc = run(PREPARE + ["--dataset", "python-docs", "--tokenizer", "bpe:600", "--output_dir", docs_data], check=False)
     assert proc.returncode == 2 and "--overwrite" in proc.stderr
@@ -139,6 +141,7 @@ def test_other_inputs_need_overwrite(docs_data, tmp_path):
 
 
 @needs_wikitext
+@pytest.mark.slow
 def test_wikitext2_round_trip_and_counts(tmp_path):
     from transformers import AutoTokenizer
 
@@ -276,6 +279,7 @@ def test_layout_splits_reads_hub_and_local_layouts():
         corpora.layout_splits(["plain_text/partial-train/0000.parquet"])
 
 
+@pytest.mark.slow
 def test_several_sources_jsonl_parquet_and_tolerated_input(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -312,6 +316,7 @@ def test_several_sources_jsonl_parquet_and_tolerated_input(tmp_path):
     assert held[-1] == "plain text with a bad byte \ufffd here\n" * 2  # the file's last 10%, at a line end, LF only
 
 
+@pytest.mark.slow
 def test_one_big_text_file_with_a_document_separator(tmp_path):
     docs = list(synthetic_web_documents(200_000, seed=2))
     (tmp_path / "owt_sample.txt").write_text("\n\n\n".join(docs) + "\n")
@@ -345,6 +350,7 @@ def web_corpus(path, n_bytes):
     return path
 
 
+@pytest.mark.slow
 def test_same_bytes_whatever_num_proc(docs_data, tmp_path):
     """Many batches per split (4 MB of text, batches of ~1 MB or 1000 documents), tokenized in this process or in
     two worker processes: the same bytes."""
@@ -371,6 +377,7 @@ def test_same_bytes_whatever_num_proc(docs_data, tmp_path):
     assert {k: v for k, v in a.items() if k != "command"} == {k: v for k, v in b.items() if k != "command"}
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_from_its_checkpoint_to_identical_bytes(docs_data, tmp_path):
     """SIGKILL mid-run (tokenizer processes too), run the same command again: it continues from the last checkpoint,
     and the directory it finishes is byte-identical to an uninterrupted run's."""
@@ -430,6 +437,7 @@ def test_killed_run_resumes_from_its_checkpoint_to_identical_bytes(docs_data, tm
         assert (out / name).read_bytes() == (reference / name).read_bytes(), name
 
 
+@pytest.mark.slow
 def test_overwrite_deletes_only_what_prepare_data_wrote(docs_data, tmp_path):
     project = tmp_path / "project"
     shutil.copytree(docs_data, project)
@@ -494,6 +502,7 @@ def bad_inputs(tmp_path):
         "hub offline",
     ],
 )
+@pytest.mark.slow
 def test_bad_input_fails_cleanly(tmp_path, case):
     args, message = bad_inputs(tmp_path)[case]
     out = tmp_path / "out"
@@ -556,6 +565,7 @@ def test_special_token_text_in_a_document_is_text(tokenizer, docs_data, tmp_path
     assert tok.decode(first) in SPECIAL_TEXT_DOCS  # the document whole, its special text included
 
 
+@pytest.mark.slow
 def test_data_prepared_before_special_token_text_was_text_is_rebuilt_not_kept(docs_data, tmp_path):
     """Data prepared before the fix (meta.json without special_tokens_in_documents) may hold documents cut at such
     text: the same command no longer calls it up to date, and says why."""

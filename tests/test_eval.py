@@ -73,6 +73,7 @@ def test_rolling_windows_score_each_token_once():
 
 
 @pytest.mark.parametrize("stride", [16, 5])
+@pytest.mark.slow
 def test_nll_equals_brute_force(small_model, stride, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -140,6 +141,7 @@ def test_report_is_consistent():
     assert ev.word_count("a  b\nc ") == 4  # the harness's re.split(r"\s+"), trailing empty string included
 
 
+@pytest.mark.slow
 def test_bad_inputs(small_model, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -189,6 +191,7 @@ def test_bad_inputs(small_model, tmp_path):
 
 
 @pytest.mark.parametrize("variable", ["HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"])
+@pytest.mark.slow
 def test_offline_mode_refuses_every_hub_choice_in_one_line(variable, small_model, tmp_path):
     """Offline mode is a normal state: with each offline variable and an empty Hugging Face cache, every Hub-backed
     choice (the default WikiText, wikitext-103, a Hub model, a Hub tokenizer) is one `error:` line naming the variable
@@ -213,6 +216,7 @@ def test_offline_mode_refuses_every_hub_choice_in_one_line(variable, small_model
         assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_a_report_the_disk_refuses_is_one_line(small_model, tmp_path):
     """Issue #35: the disk fills up during the evaluation (a 200-byte file size limit here): the report is printed,
     then one `error:` line says it was not saved, exit 3, no traceback."""
@@ -247,6 +251,7 @@ def test_wikitext_test_split_end_to_end(trained, tmp_path):
     assert raw["tokens"] != report["tokens"] and raw["documents"] == 6  # the detokenized text is another token stream
 
 
+@pytest.mark.slow
 def test_wikitext_errors_name_the_file_and_the_splits(small_model, tmp_path):
     wiki = tmp_path / "wiki"
     wiki.mkdir()

@@ -155,6 +155,7 @@ def test_a_checkpoint_scores_as_its_export(preset, trained, moe_ref, docs_data, 
     assert run_dir_state(out) == before
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_a_run_without_deepspeed_scores_as_its_export(docs_data, tmp_path):
     """One plain process (no DeepSpeed: Accelerate saves the weights whole, model.safetensors) scores as its export."""
     out = tmp_path / "one"

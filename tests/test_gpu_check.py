@@ -94,6 +94,7 @@ def test_a_failed_step_is_a_failed_row(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the check would run")
+@pytest.mark.slow
 def test_gpu_run_without_a_gpu_is_refused(tmp_path):
     """`run` (the GPU half) on a machine without CUDA, with this environment's DeepSpeed and no wheel folder: refused
     in one line (main prints it as `error: ...` and exits 2) once the probe has run, nothing written to OUT."""

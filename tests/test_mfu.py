@@ -60,6 +60,7 @@ def counted_flops(c, seq_len: int, micro: int, checkpointing: bool, chunk: int, 
         ("deepseek-v3-tiny", 16, 0, 1),
     ],
 )
+@pytest.mark.slow
 def test_model_and_hardware_flops_are_what_torch_counts(preset, q_lora, chunk, depth):
     """Without checkpointing and with the full logits the count is the model FLOPs: PaLM's 6 N + the attention over
     all T x T pairs (eager attention computes them all); with checkpointing (and the loss in chunks) what the
@@ -165,6 +166,7 @@ def test_the_plan_states_mfu_and_hfu_and_refuses_an_impossible_hfu(capsys, monke
     assert "--assumed_mfu 1.5 must be at most 1" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_checkpointed_run_logs_mfu_and_hfu_everywhere(docs_data, tmp_path):
     """One CPU process of the tiny-qk-norm preset (the tiny one with "qk_norm": true, issue #61: this run is also the
     one of train.py with QK-norm), 3 steps with --gradient_checkpointing: every training record of metrics.jsonl has

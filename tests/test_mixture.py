@@ -97,6 +97,7 @@ def test_sources_are_kept_apart_and_old_directories_are_one_source(docs_data, tm
         token_data.source_ranges(old)
 
 
+@pytest.mark.slow
 def test_directories_with_other_tokenizers_are_refused(docs_data, tmp_path):
     """The same --tokenizer spec is not the same tokenizer: a BPE trained on other text maps ids to other tokens."""
     web = docs_data.parent / "web.jsonl"
@@ -156,6 +157,7 @@ def built(model_config, kernel: str, checkpointing: bool = False):
 
 @pytest.mark.parametrize("kernel", ["varlen_sdpa", "sdpa"])
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qk-norm", "deepseek-v3-tiny"])
+@pytest.mark.slow
 def test_masked_forward_equals_each_document_alone(docs_data, preset, kernel):
     """Windows of real data (two documents or more each) through train.py's get_batch: per-token losses of the masked
     forward equal each document's own forward from position 0, with varlen_sdpa (SDPA on each document, no mask:
@@ -206,6 +208,7 @@ def test_masked_training_with_varlen_sdpa_equals_the_dense_mask(docs_data, prese
         assert worst < 1e-5, (key, worst)
 
 
+@pytest.mark.slow
 def test_flex_attention_forward_keeps_documents_apart(docs_data):
     """transformers' FlexAttention path (what `auto` takes on a CUDA GPU without flash-attn) builds its block mask
     from the same position ids: forward only, as torch runs FlexAttention's backward on GPUs alone. Its masked
@@ -250,6 +253,7 @@ def test_run_mixes_sources_by_weight_and_reports_each(docs_data, tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.slow
 def test_a_checkpoint_from_before_mixtures_resumes_as_it_ran(docs_data, tmp_path):
     """A checkpoint whose trainer_state has no data_mix (train.py before mixtures) read its directory as one stream and
     trained unmasked: resumed, it goes on that way, whatever the directory's meta.json now says."""
@@ -298,6 +302,7 @@ def test_sources_of_the_same_name_are_named_by_their_order_not_their_directory(d
         token_data.training_data(f"{a},{tmp_path / 'b' / 'renamed'}", 32, 0, "python-docs/web.jsonl=3", known_as=other)
 
 
+@pytest.mark.slow
 def test_a_run_resumes_from_a_renamed_data_directory(docs_data, tmp_path):
     """Issue #59: a run over two directories whose sources share names, one directory renamed, then --resume auto:
     refused (its source names came from the directory names) and advised to start over with --init_from, losing the

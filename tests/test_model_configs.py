@@ -229,6 +229,7 @@ def test_presets_and_configs_transformers_writes_still_load(tmp_path):
     ],
     ids=str,
 )
+@pytest.mark.slow
 def test_train_plan_refuses_in_one_line(case, tmp_path):
     path = tmp_path / "bad.json"
     if case in DAMAGED:
@@ -241,6 +242,7 @@ def test_train_plan_refuses_in_one_line(case, tmp_path):
     assert "Traceback" not in proc.stderr + proc.stdout
 
 
+@pytest.mark.slow
 def test_train_refuses_a_torn_config_before_writing(docs_data, tmp_path):
     """A real (unlaunched) training start: the error line, exit 2, and no output directory."""
     path = tmp_path / "bad.json"

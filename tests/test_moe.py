@@ -62,6 +62,7 @@ def test_plan_prints_total_and_activated_for_every_moe_preset(capsys):
         assert "in MTP modules (--mtp_depth 1)" in out, out  # the v3 presets' default: counted in the plan
 
 
+@pytest.mark.slow
 def test_the_rtx4090_preset_fits_three_cards():
     proc = run([sys.executable, "train.py", "--plan", "--data_dir", "none", "--model_config", "deepseek-v3-2.5b",
                 "--seq_len", "2048", "--micro_batch_size", "2", "--gradient_checkpointing",

@@ -114,6 +114,7 @@ def test_a_cpu_run_compiles_nothing_unless_it_asked_accelerate_to(monkeypatch):
     assert eval_frame._stance.stance == "force_eager"
 
 
+@pytest.mark.slow
 def test_a_compiler_that_does_not_work_leaves_newton_schulz_eager_and_says_so(docs_data, tmp_path):
     """Issue #60: where Muon's update is compiled (GPUs: Triton; here a CPU run that asked Accelerate to compile, as
     `accelerate launch --dynamo_backend inductor` does) and the compiler does not work on the machine, the run says so

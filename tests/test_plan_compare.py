@@ -162,6 +162,7 @@ def test_7b_recommendation_by_host_ram_and_plan_agrees(capsys, monkeypatch):
     assert f"fits: needs {row.group(1)} GiB of 24 GiB per GPU" in one, (row.group(0), one)
 
 
+@pytest.mark.slow
 def test_a_run_needing_more_host_ram_than_the_machine_is_refused(docs_data, tmp_path):
     out = tmp_path / "out"
     proc = run([sys.executable, "train.py", *TINY, "--data_dir", docs_data, "--output_dir", out, "--max_steps", "2",
@@ -174,6 +175,7 @@ def test_a_run_needing_more_host_ram_than_the_machine_is_refused(docs_data, tmp_
     assert re.search(r"compute at [\d.e-]+ TFLOP/s per process \(measured on this model: ", proc.stdout), proc.stdout
 
 
+@pytest.mark.slow
 def test_cpu_plan_on_paper_times_the_model(capsys, monkeypatch):
     """`--plan` for CPU processes times the model in this process (one thread for each of several processes, and
     their share of the cores); past the size a copy may have, the plan falls back to --assumed_mfu of a nominal core."""
@@ -191,6 +193,7 @@ def test_cpu_plan_on_paper_times_the_model(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("preset", ["tiny", "deepseek-v3-tiny"])
+@pytest.mark.slow
 def test_timed_copy_keeps_zero3_processes_in_step_at_every_layer(preset):
     """Each timed pass of the 2-layer copy waits at every layer's start and again when its backward ends, and at the
     timed (second) layer's forward end and backward start: 6 waits a pass, the forward's before the backward's."""
@@ -201,6 +204,7 @@ def test_timed_copy_keeps_zero3_processes_in_step_at_every_layer(preset):
     assert calls == [True, True, True, False, False, False] * measure.MEASURED_PASSES, calls
 
 
+@pytest.mark.slow
 def test_a_model_whose_layers_are_not_found_is_timed_whole_without_lock_step(monkeypatch):
     """No decoder-layer list to time or to wait at: the 2-layer copy's pass per 2 layers, and no sync (which every
     process skips alike: same config), rather than no measured rate at all."""

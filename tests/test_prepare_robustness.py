@@ -76,6 +76,7 @@ def test_sources_leave_out_prepare_datas_own_outputs(tmp_path, capsys):
 # --- item 5: a dead tokenizer process stops the run at once, resumably -----------------------------------------------
 
 
+@pytest.mark.slow
 def test_dead_tokenizer_process_stops_the_run_and_a_rerun_resumes(docs_data, tmp_path):
     """kill -9 of one of two tokenizer processes (what the out-of-memory killer does): the run ends within seconds with
     exit status 3 and one error line naming the process and the signal, the other process stopped, the partial output
@@ -140,6 +141,7 @@ def test_a_process_killed_halfway_through_a_result_is_named_not_waited_on(docs_d
 
 
 @pytest.mark.parametrize("tokenizer_json, why", [('{"version": "1.0", "model": ', "EOF while"), (None, "ValueError")])
+@pytest.mark.slow
 def test_a_tokenizer_that_no_process_can_load_is_one_message_not_tracebacks(tmp_path, capfd, tokenizer_json, why):
     """Each tokenizer process loads the tokenizer the main process saved; when that fails there (a tokenizer.json cut
     off; none, where AutoTokenizer's error spans lines), the pool says why once, on one line (the main process prints
@@ -239,6 +241,7 @@ def cut_tokenizers(docs_data, python_docs, tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("kind", ["bpe", "llm", "v3"])
+@pytest.mark.slow
 def test_long_documents_in_pieces_give_the_whole_documents_ids(cut_tokenizers, python_docs, kind):
     """Real text (python-docs; WikiText-2 validation when present) and adversarial runs of newlines, spaces, CRLF and
     non-ASCII, cut into pieces at every cut PIECE_CUT allows past 200 characters (past 1 character for the adversarial
@@ -275,6 +278,7 @@ def test_tokenizers_that_cannot_be_cut_are_tokenized_whole(cut_tokenizers, pytho
     assert list(tokenizer_pool.document_pieces(text, 200, None)) == [text]
 
 
+@pytest.mark.slow
 def test_one_long_document_tokenizes_in_bounded_memory_to_the_same_ids(docs_data, tmp_path, monkeypatch, capsys):
     """One 3 MB text file is one document (--doc_separator file). Its tokenizer processes stay small (whole, the
     document took ~100-180x its size), its ids are those of the whole text, and streamed from disk (a file over
@@ -306,6 +310,7 @@ def test_one_long_document_tokenizes_in_bounded_memory_to_the_same_ids(docs_data
 # --- item 20: offline and behind a proxy -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_offline_hub_tokenizer_is_identified_by_its_cached_commit(docs_data, tmp_path):
     """HF_HUB_OFFLINE=1 and a Hub tokenizer in the local cache: meta.json records the commit the cache holds (not
     "unknown"), so that the data stays up to date against an online run of the same commit; and with the commit out of
@@ -447,6 +452,7 @@ DAMAGE = [
 
 
 @pytest.mark.parametrize("case", DAMAGE)
+@pytest.mark.slow
 def test_damaged_input_is_refused_in_one_line_or_worked_around(tiny, tmp_path, case, capsys):
     """Each damaged file either stops the run with one `error:` line naming it and the fix (exit 2, no traceback,
     nothing changed), or the run works around it (a damaged partial output is its own to start afresh) and gives the

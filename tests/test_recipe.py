@@ -60,6 +60,7 @@ def test_a_warmup_longer_than_the_schedule_is_shortened_so_it_decays(kind):
     assert short.describe() == "LR schedule cosine: no warmup, 0.001 for its one step" and short.lr(0) == 1e-3
 
 
+@pytest.mark.slow
 def test_a_short_run_with_the_default_warmup_decays_as_it_says(docs_data, tmp_path):
     """A real start (one process, 5 steps, --warmup_steps left at its default 30): the note, the schedule line, and the
     LRs the run logged, which reach the floor on the last step as the line says."""
@@ -125,6 +126,7 @@ def test_scaling_laws_reproduce_the_papers_table_2():
     assert m_opt * d_opt == pytest.approx(1e21, rel=1e-3)
 
 
+@pytest.mark.slow
 def test_plan_prints_deepseeks_lines_for_7b():
     proc = run([sys.executable, "train.py", "--plan", "--model_config", "deepseek-7b", "--seq_len", "4096",
                 "--max_steps", "1000", "--micro_batch_size", "1", "--lr", "1e-2", "--data_dir", "none"])  # fmt: skip
@@ -145,6 +147,7 @@ def test_plan_prints_deepseeks_lines_for_7b():
         (["--decay_branch", "5"], "--decay_branch 5 decays from a checkpoint: give one with --resume"),
     ],
 )
+@pytest.mark.slow
 def test_schedule_flags_refused_in_one_line(docs_data, tmp_path, flags, named):
     proc = run([sys.executable, "train.py", *TINY, "--data_dir", docs_data, "--output_dir", tmp_path / "o", *flags],
                check=False)  # fmt: skip
@@ -261,6 +264,7 @@ def test_val_bpb_equals_eval_py_and_the_card_holds_both(wsd_run, docs_data, tmp_
         (["--split", "validation", "--packed_seq_len", "32", "--eval_tokens", "5"], "--eval_tokens 5 is less than one"),
     ],
 )
+@pytest.mark.slow
 def test_eval_flags_refused_before_scoring(docs_data, tmp_path, flags, named):
     proc = run([sys.executable, "eval.py", "--model", tmp_path, "--dataset", docs_data, *flags], check=False)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]

@@ -87,6 +87,7 @@ def test_four_nan_steps_in_a_row_stop_the_run(docs_data, tmp_path):
 
 
 @pytest.mark.parametrize("fault", ["nan_loss:0:3"])
+@pytest.mark.slow
 def test_nan_step_skipped_without_deepspeed(docs_data, tmp_path, fault):
     """`python train.py` (no DeepSpeed): the loop itself skips a step whose clipped gradient norm is not finite."""
     out = tmp_path / "plain"
@@ -148,6 +149,7 @@ def test_hung_rank_without_restarts_ends_the_run(docs_data, tmp_path):
     assert ended - dump.stat().st_mtime < 15  # the timeout fired, then at most a few seconds until the launcher ended
 
 
+@pytest.mark.slow
 def test_a_slow_step_is_not_a_hang(docs_data, tmp_path):
     """Steps 3-5 take 4 s each against a 2 s limit: the watchdog fires, writes its stacks, sees the step end while it
     waits (5 s) for the other ranks' answers, and lets the run go on and finish (it used to end it, work lost)."""
@@ -214,6 +216,7 @@ def test_a_build_lock_a_killed_launch_left_is_removed_and_the_launch_goes_on(doc
     assert not lock.exists() and (out / "final" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_a_build_lock_is_left_to_a_running_build_and_waited_out_when_young(tmp_path, monkeypatch, capsys):
     """The lock of a build running on this machine (a process working in its directory, as ninja and the compiler do)
     stays, however old; a young lock without one (a kill a moment ago, or another machine's build) is waited for,
@@ -239,6 +242,7 @@ def test_a_build_lock_is_left_to_a_running_build_and_waited_out_when_young(tmp_p
     assert said[1].startswith(f"removed {lock}: a build lock of torch's that no build holds"), said
 
 
+@pytest.mark.slow
 def test_a_startup_that_waits_on_a_build_lock_names_it(tmp_path):
     """The watchdog's startup limit ends a startup that waits on a lock anyway (a build lock taken after the start's
     check, by a process killed since): its line names the lock and the fix. The wait is a sleep here, the limit 10 s."""

@@ -72,6 +72,7 @@ def copy_run(done_run: Path, tmp_path: Path, keep_step_4: bool = False) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_directory_train_py_did_not_write(docs_data, tmp_path):
     """Case 1: a folder with a `checkpoints/` of someone else's was taken for a run, its config.json replaced and its
     final/ deleted."""
@@ -87,6 +88,7 @@ def test_resume_refuses_a_directory_train_py_did_not_write(docs_data, tmp_path):
     assert tree(foreign) == before
 
 
+@pytest.mark.slow
 def test_resume_auto_survives_what_a_crash_and_a_user_leave(done_run, docs_data, tmp_path):
     """Cases 8, 10, 11, 15 in one resume: a torn last metrics line, a user's backup folder in checkpoints/, a newest
     checkpoint with a truncated shard, leftovers of crashed saves. The run resumes from the newest intact checkpoint,
@@ -116,6 +118,7 @@ def test_resume_auto_survives_what_a_crash_and_a_user_leave(done_run, docs_data,
     assert (out / "final" / "model.safetensors").is_file() and (out / "loss_curve.png").is_file()
 
 
+@pytest.mark.slow
 def test_explicit_resume_changes_nothing_until_the_load_succeeds(done_run, tmp_path):
     """Case 12: a checkpoint whose files are whole but whose contents are not (here: the optimizer state overwritten
     with zeros of the same size) fails to load; the newer checkpoints stay where they were and `latest` unchanged."""
@@ -130,6 +133,7 @@ def test_explicit_resume_changes_nothing_until_the_load_succeeds(done_run, tmp_p
     assert not list(ckpts.glob("abandoned-*"))
 
 
+@pytest.mark.slow
 def test_explicit_resume_of_a_damaged_checkpoint_is_refused(done_run, tmp_path):
     out = copy_run(done_run, tmp_path, keep_step_4=True)
     ckpts = out / "checkpoints"
@@ -138,6 +142,7 @@ def test_explicit_resume_of_a_damaged_checkpoint_is_refused(done_run, tmp_path):
     assert_refused(proc, 2, "random_states_0.pkl is missing", f"resume from {ckpts / 'step_2'}")
 
 
+@pytest.mark.slow
 def test_fine_tune_resumes_without_its_source(done_run, docs_data, tmp_path):
     """Case 9: a resumed --init_from run takes its weights and model config from the checkpoint, so it resumes after
     the source directory moved."""
@@ -155,6 +160,7 @@ def test_fine_tune_resumes_without_its_source(done_run, docs_data, tmp_path):
         assert train_records(tuned)[step]["loss"] == pytest.approx(straight[step]["loss"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_init_from_refuses_another_tokenizer_of_the_same_size(done_run, tmp_path):
     """Case 3: a model trained on one 512-token BPE must not fine-tune on another 512-token BPE's ids."""
     corpus = tmp_path / "other.txt"
@@ -168,6 +174,7 @@ def test_init_from_refuses_another_tokenizer_of_the_same_size(done_run, tmp_path
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_resume_in_another_precision_is_refused(done_run, tmp_path):
     """Case 13: an fp32 checkpoint resumed in bf16 died inside DeepSpeed looking for bf16 files."""
     out = copy_run(done_run, tmp_path)
@@ -181,6 +188,7 @@ def limit_file_size(n_bytes: int):
     return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (n_bytes, n_bytes))
 
 
+@pytest.mark.slow
 def test_a_failed_checkpoint_write_names_the_path_and_keeps_the_last_checkpoint(docs_data, tmp_path):
     """Case 14: with `ulimit -f` (as a full disk would) the optimizer state cannot be written; the message names the
     checkpoint being written and the limit, and the previous checkpoint is the newest complete one."""
@@ -192,6 +200,7 @@ def test_a_failed_checkpoint_write_names_the_path_and_keeps_the_last_checkpoint(
     assert not (out / "checkpoints" / "step_2").exists() and not (out / "final").exists()
 
 
+@pytest.mark.slow
 def test_a_final_export_the_disk_refuses_stops_for_good_and_resumes(docs_data, tmp_path):
     """Issue #35: OUT/final written under a real file size limit fails in safetensors (SafetensorError, not an
     OSError): one line naming .tmp-final and the last complete checkpoint, exit 3 (under --max_restarts that stops
@@ -207,6 +216,7 @@ def test_a_final_export_the_disk_refuses_stops_for_good_and_resumes(docs_data, t
     assert (out / "final" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_prepare_data_on_a_full_disk_is_one_line_and_keeps_its_work(tmp_path):
     """Issue #35: prepare_data.py writing past a file size limit (as on a full disk): one `error:` line, exit 3, the
     partial output kept for the same command to continue."""
@@ -236,6 +246,7 @@ def test_a_full_disk_on_one_rank_is_told_as_the_others_would(docs_data, tmp_path
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_2"
 
 
+@pytest.mark.slow
 def test_sigterm_while_saving_stops_after_that_checkpoint(docs_data, tmp_path):
     """Case 16: a stop signal that arrives while a checkpoint is written ends the run after it, not after one more step
     and a second checkpoint."""
@@ -256,6 +267,7 @@ def test_setup_error_reaches_the_user_in_a_multi_process_launch(done_run, tmp_pa
 
 
 @pytest.mark.parametrize("damage", ["torn", "not an object", "empty"])
+@pytest.mark.slow
 def test_damaged_trainer_state_is_skipped_or_refused(done_run, tmp_path, damage):
     """A trainer_state.json cut short or replaced: --resume auto skips that checkpoint, an explicit --resume refuses.
     The whole resume runs once (torn); for the others, what --resume auto picks, in-process (the same function)."""
@@ -304,6 +316,7 @@ def test_stray_names_in_checkpoints_are_never_parsed(tmp_path):
     assert os.listdir(tmp_path)  # nothing removed
 
 
+@pytest.mark.slow
 def test_damaged_data_tokenizer_is_refused_before_the_model_is_built(docs_data, tmp_path):
     data = tmp_path / "data"
     shutil.copytree(docs_data, data)
@@ -315,6 +328,7 @@ def test_damaged_data_tokenizer_is_refused_before_the_model_is_built(docs_data, 
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_resume_auto_past_links_copies_and_names_that_are_not_its_own(done_run, tmp_path):
     """What a user or a copy tool leaves in checkpoints/: a symlinked step_N (its target damaged), a dangling symlink,
     a copy of step_2 under a newer name, a manifest that is not one, notes named like train.py's own leftovers. The
@@ -390,6 +404,7 @@ def odd_output_dirs(done_run: Path, tmp_path: Path) -> dict:
     ["all_damaged", "checkpoints_a_file", "marker_a_directory", "dangling_output_dir", "non_utf8_output_dir",
      "explicit_resume_state_without_tokens_seen"],
 )  # fmt: skip
+@pytest.mark.slow
 def test_odd_output_directories_are_refused_in_one_line(done_run, docs_data, tmp_path, case):
     out, message = odd_output_dirs(done_run, tmp_path)[case]()
     before = tree(tmp_path)
@@ -399,6 +414,7 @@ def test_odd_output_directories_are_refused_in_one_line(done_run, docs_data, tmp
     assert tree(tmp_path) == before
 
 
+@pytest.mark.slow
 def test_a_failed_metrics_write_names_the_file(done_run, tmp_path):
     from deepseek_zero3.run_dir import metrics
 
@@ -417,6 +433,7 @@ def test_a_failed_metrics_write_names_the_file(done_run, tmp_path):
     assert not list(out.glob(".*.tmp")) and tree(out / "checkpoints") == before
 
 
+@pytest.mark.slow
 def test_going_back_sets_the_newer_checkpoints_aside_and_a_requeue_continues(done_run, tmp_path):
     """Going back by hand to an older checkpoint of the run (here a user's copy of step_2 under another name in its
     checkpoints/: its trainer_state.json says which step it is) moves the checkpoints after it aside, with the
@@ -449,6 +466,7 @@ def metrics_records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+@pytest.mark.slow
 def test_a_requeued_branch_continues_and_a_branch_never_takes_over_another_run(done_run, tmp_path):
     """Issue #59, case 1: B started from A's step_2 (`--resume A/checkpoints/step_2 --output_dir B`), stopped after
     step 3, then the same command again, as a requeued job script runs it: B continues from its own step_3 (it used to
@@ -477,6 +495,7 @@ def test_a_requeued_branch_continues_and_a_branch_never_takes_over_another_run(d
     assert tree(original) == before
 
 
+@pytest.mark.slow
 def test_explicit_resume_of_a_copy_outside_the_run_is_refused(done_run, tmp_path):
     """A user's copy of the run's step_2 kept outside it: resuming it into the run, which holds newer checkpoints of
     another line (step_4), is refused; resuming the run's own checkpoint (above) is how to go back."""
@@ -516,6 +535,7 @@ def test_a_branch_set_aside_never_joins_an_older_one(tmp_path, monkeypatch):
     assert (ckpts / "latest").read_text() == "step_2\n"
 
 
+@pytest.mark.slow
 def test_a_validation_loss_past_a_float_perplexity_stops_the_run_as_diverged(done_run, tmp_path):
     """Issue #59, case 2: a run resumed at step 2 with an LR that blows the model up (--lr 1000, no clipping): the
     validation after step 3 gives a loss whose perplexity is past the largest float. The run stops as diverged (exit
@@ -566,6 +586,7 @@ def unusable_paths(docs_data: Path, tmp_path: Path) -> dict:
 
 @pytest.mark.parametrize("case", ["output_dir past PATH_MAX", "output_dir name past NAME_MAX",
                                   "resume name past NAME_MAX", "data_dir not UTF-8", "a newline in the name"])  # fmt: skip
+@pytest.mark.slow
 def test_paths_the_filesystem_cannot_take_are_refused_before_anything_is_written(docs_data, tmp_path, case):
     """Issue #59, case 3, and the class "a file's name is whatever bytes the filesystem allows"."""
     args, needles = unusable_paths(docs_data, tmp_path)[case]
@@ -587,6 +608,7 @@ def test_a_write_refused_for_a_long_name_does_not_advise_freeing_space(tmp_path)
     assert "move the run directory to a shorter path and give that as --output_dir" in line, line
 
 
+@pytest.mark.slow
 def test_an_edited_model_config_is_refused_when_given_and_named_when_not(done_run, tmp_path):
     """Issue #59: a run started from a config file that was edited since (intermediate_size, rope_theta) resumed with
     no word when the command gave that file again: the model is the checkpoint's model_config.json, so the hash check

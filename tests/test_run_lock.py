@@ -42,6 +42,7 @@ def wait_for_step(out, step: int, proc: subprocess.Popen, timeout_s: float = 300
     raise AssertionError(f"no step {step} in {out / 'metrics.jsonl'} after {timeout_s} s")
 
 
+@pytest.mark.slow
 def test_a_second_run_is_refused_and_a_killed_runs_lock_is_taken_over(docs_data, tmp_path):
     """While the first run trains (slowed to 4 s a step), a second command into its directory (with --resume auto or
     without) is refused in one line that names it. Then kill -9 leaves OUT/.lock behind with the dead run's pid in it;
@@ -87,6 +88,7 @@ def test_a_second_run_is_refused_and_a_killed_runs_lock_is_taken_over(docs_data,
 
 
 @pytest.mark.parametrize("odd", ["symlink", "directory"])
+@pytest.mark.slow
 def test_a_lock_that_is_not_a_file_is_refused(odd, docs_data, tmp_path):
     """OUT/.lock as a symlink to a file elsewhere (it would be truncated through the link) or as a directory: refused
     in one line before anything is written, the link's target untouched."""

@@ -312,6 +312,7 @@ def startup_cases(docs_data, tmp_path):
         "negative bias speed",
     ],
 )
+@pytest.mark.slow
 def test_startup_errors(docs_data, tmp_path, case):
     args, message = startup_cases(docs_data, tmp_path)[case]
     out = tmp_path / "out"

@@ -74,6 +74,7 @@ def _config(name):
     return AutoConfig.for_model(d.pop("model_type"), **d)
 
 
+@pytest.mark.slow
 def test_param_count_matches_the_real_model():
     from transformers import AutoModelForCausalLM
 
@@ -107,6 +108,7 @@ def test_memory_plan_agrees_with_deepspeed_estimator():
     assert off["gpu"]["parameters"] == 0 and off["gpu"]["optimizer_states"] == 0
 
 
+@pytest.mark.slow
 def test_plan_command_names_the_optimizer_offload_config():
     import subprocess
     import sys
@@ -138,6 +140,7 @@ def test_gpu_peak_by_name_and_precision():
     assert model_math.gpu_peak_flops("Some Future GPU", "bf16") is None
 
 
+@pytest.mark.slow
 def test_the_cpu_peak_is_a_cores_rate_in_cpu_time_times_the_cores_the_launch_can_use():
     one = type("OneCpuProcess", (), {"device": torch.device("cpu"), "num_processes": 1})()
     one.wait_for_everyone, one.reduce = lambda: None, lambda t, op: t
@@ -265,6 +268,7 @@ def test_optimizer_stays_fused_after_loading_an_older_checkpoint():
         (["train.py", "--max_steps", "abc"], "invalid int value: 'abc'; python train.py --help lists the flags"),
     ],
 )
+@pytest.mark.slow
 def test_an_unknown_flag_is_one_error_line(command, said):
     proc = run([sys.executable, *command], check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
@@ -290,6 +294,7 @@ def test_help_under_the_launcher_is_printed_once():
     assert proc.stdout.count("usage: train.py") == 1, proc.stdout[-3000:]
 
 
+@pytest.mark.slow
 def test_trackers_are_checked_before_the_run_starts(monkeypatch):
     """--log_with: an unknown name, a tracker whose run a resume cannot continue, a tracker whose package is missing
     and a name given twice are refused in one line, not Accelerate's ValueError or a warning and a run without it."""
