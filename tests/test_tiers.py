@@ -15,7 +15,8 @@ LAUNCHES = [
     ["python", "-m", "torch.distributed.run", "--nproc_per_node", "2", "train.py"],
     ["torchrun", "--nproc_per_node", "2", "train.py"],
 ]
-NOT_LAUNCHES = [["python", "train.py", "--plan"], ["accelerate", "env"], ["python", "eval.py", "--model", "accelerate"]]
+NOT_LAUNCHES = [["python", "train.py", "--plan"], ["accelerate", "env"], ["python", "eval.py", "--model", "accelerate"],
+                ["python", "-c", "import sys  # it's one process"]]  # a script no shell could split
 
 
 @pytest.mark.parametrize("args", LAUNCHES)
