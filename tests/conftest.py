@@ -25,6 +25,15 @@ needs_wikitext = pytest.mark.skipif(
     not (WIKITEXT2 / "wiki.test.raw").is_file(), reason=f"WikiText-2 copy not found at {WIKITEXT2} (set WIKITEXT2_DIR)"
 )
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
+# Threads. `make test` runs 2 pytest workers at once, each with its own tests and the processes they start. torch's
+# default, a thread per core in every process, then puts more threads than cores to work, and OpenMP's threads spin
+# waiting for each other: test_nll_equals_brute_force's call took 76 s beside the other worker's launches against
+# 2.9 s on one thread (2-core EPYC, docs/testing.md). So each worker and every process it starts gets the cores
+# divided by the workers, as torchrun gives each of its processes one; an OMP_NUM_THREADS the caller set is kept.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // WORKERS))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 # The files with the longest runs first: `make test`'s workers (pytest-xdist, --dist loadfile) take whole files in
 # collection order, so a long file handed out last would run alone while the other worker idles.
 LONG_FIRST = ["test_train.py", "test_run_dir.py", "test_gpu_check.py", "test_moe.py", "test_muon.py", "test_eval.py",
