@@ -42,7 +42,7 @@ from deepseek_zero3.recipe.ema import EMA
 from deepseek_zero3.recipe.schedule import Schedule, branch_settings, check_schedule_flags, fitted, parse_fractions
 from deepseek_zero3.recipe.schedule import replan
 from deepseek_zero3.run_dir import card, checkpoint, metrics, reshard, resilience, trackers
-from deepseek_zero3.tokens import token_data
+from deepseek_zero3.training_data import token_data
 
 # DeepSpeed calls collectives that torch renamed; the warning repeats every step and says nothing to a user.
 warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)

@@ -257,7 +257,7 @@ def test_flags_and_strategies_muon_refuses():
 
 def test_a_muon_checkpoint_on_another_zero_process_count_is_refused_before_anything_is_written():
     from deepseek_zero3.run_dir import reshard
-    from deepseek_zero3.tokens.token_data import BatchPlan
+    from deepseek_zero3.training_data.token_data import BatchPlan
 
     state = {"micro_batch_size": 2, "grad_accum_steps": 1, "world_size": 3, "step": 4, "config": {"optimizer": "muon"}}
     zero3 = lambda n: distributed.Launch(n, 1, "fp32", 1, "none", False, False, 3)

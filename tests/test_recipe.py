@@ -15,7 +15,7 @@ from conftest import TINY, launch, metrics, run, train_records
 import train
 from deepseek_zero3.recipe import scaling
 from deepseek_zero3.recipe.schedule import Schedule, first_step_past
-from deepseek_zero3.tokens import token_data
+from deepseek_zero3.training_data import token_data
 
 
 def test_multistep_is_deepseeks_shape():

@@ -19,7 +19,7 @@ from deepseek_zero3.model import models
 from deepseek_zero3.planning import costs, measure, model_math
 from deepseek_zero3.recipe.schedule import replan
 from deepseek_zero3.run_dir import checkpoint, metrics, trackers
-from deepseek_zero3.tokens import token_data
+from deepseek_zero3.training_data import token_data
 
 THREADS = torch.get_num_threads()
 

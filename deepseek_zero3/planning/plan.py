@@ -17,8 +17,8 @@ from deepseek_zero3.distributed import read_launch
 from deepseek_zero3.planning import breakdown, costs, measure, model_math
 from deepseek_zero3.planning.model_math import GIB
 from deepseek_zero3.recipe import optimizer, scaling
-from deepseek_zero3.tokens import mixture
-from deepseek_zero3.tokens.token_data import num_windows
+from deepseek_zero3.training_data import mixture
+from deepseek_zero3.training_data.token_data import num_windows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +136,7 @@ def plan_on_paper(cfg, check_flags, given: set[str] = frozenset()) -> int:
 
     from deepseek_zero3 import cli
     from deepseek_zero3.model import models
-    from deepseek_zero3.tokens import token_data
+    from deepseek_zero3.training_data import token_data
 
     try:
         if cfg.from_run:

@@ -26,7 +26,7 @@ import torch
 from deepseek_zero3.cli import UserError, check_path, fault, resume_policy, remove, replace_dir, write_atomic, write_json_atomic
 from deepseek_zero3.model import models, mtp
 from deepseek_zero3.run_dir import state as state_lib
-from deepseek_zero3.tokens import mixture
+from deepseek_zero3.training_data import mixture
 
 # What a checkpoint saved before a setting existed ran with, where that is not the setting's default now.
 BEFORE_THE_FIELD = {"document_masking": False, "lr_schedule": "cosine", "mtp_depth": 0, "optimizer": "adamw"}

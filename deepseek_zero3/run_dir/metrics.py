@@ -27,7 +27,7 @@ from deepseek_zero3.evaluation import generate
 from deepseek_zero3.planning import model_math
 from deepseek_zero3.planning.model_math import GIB
 from deepseek_zero3.run_dir import trackers
-from deepseek_zero3.tokens import mixture
+from deepseek_zero3.training_data import mixture
 
 
 def peak_memory_gib(device: torch.device) -> float:
