@@ -64,9 +64,9 @@ def check_assumed_mfu(cfg, c) -> None:
 
 
 def plan_run(run, accelerator) -> RunPlan:
-    """The plan of this launch (run: train.py's Run, past its checks and its resume's): prints the batch plan and the
-    plan of memory and time, which the processes measure together (peak FLOP/s, the links, on a CPU the model's rate);
-    refuses to start when it does not fit the GPUs or the host RAM (unless --ignore_memory_plan)."""
+    """The plan of this launch (run: train.py's RunSettings, past its checks and its resume's): prints the batch plan
+    and the plan of memory and time, which the processes measure together (peak FLOP/s, the links, on a CPU the model's
+    rate); refuses to start when it does not fit the GPUs or the host RAM (unless --ignore_memory_plan)."""
     cfg, launch, batch = run.cfg, run.launch, run.batch
     check_plan_flags(cfg)
     check_assumed_mfu(cfg, run.model_config)

@@ -129,7 +129,7 @@ training steps. `python eval.py --model path/to/final --prompt "..."` continues 
 
 
 def write_card(final: Path, run, records: list[dict]) -> Path:
-    """final/README.md for `run` (train.py's Run), atomically. records: OUT/metrics.jsonl's."""
+    """final/README.md for `run` (train.py's RunSettings), atomically. records: OUT/metrics.jsonl's."""
     from huggingface_hub import ModelCard, ModelCardData
 
     cfg, mc, launch, batch = run.cfg, run.model_config, run.launch, run.batch
@@ -357,24 +357,24 @@ def ema_card(ema_dir: Path, ema) -> Path:
     return save(ema_dir, text)
 
 
-def finish(run, parts) -> int:
+def finish(run, training) -> int:
     """After the last step's checkpoint: OUT/final with its card, the loss curve, and what the finished run no longer
-    needs; --push_to_hub uploads final/ (run, parts: train.py's Run and Parts). Returns the exit code (3: the upload
+    needs; --push_to_hub uploads final/ (run, training: train.py's RunSettings and TrainingObjects). Returns the exit code (3: the upload
     failed, the model is on disk)."""
     from deepseek_zero3.run_dir import checkpoint, metrics
 
-    accelerator, out = parts.accelerator, Path(run.cfg.output_dir)
+    accelerator, out = training.accelerator, Path(run.cfg.output_dir)
     again = run.resume is not None and run.resume.state["step"] >= run.total_steps  # a finished run launched again
     kept = kept_card(out / "final") if again and accelerator.is_main_process else None
-    final = checkpoint.export_final(accelerator, parts.model, run.tokenizer, out)
-    if parts.ema is not None:  # --ema_decay: the moving average as a model of its own, beside final/
-        averaged = parts.ema.whole(accelerator.is_main_process)
-        ema_dir = checkpoint.export_final(accelerator, parts.model, run.tokenizer, out, "final_ema", averaged)
+    final = checkpoint.export_final(accelerator, training.model, run.tokenizer, out)
+    if training.ema is not None:  # --ema_decay: the moving average as a model of its own, beside final/
+        averaged = training.ema.whole(accelerator.is_main_process)
+        ema_dir = checkpoint.export_final(accelerator, training.model, run.tokenizer, out, "final_ema", averaged)
         if accelerator.is_main_process:
-            ema_card(ema_dir, parts.ema)
-        accelerator.print(f"the weights' moving average (--ema_decay {parts.ema.decay:g}, {parts.ema.updates} "
+            ema_card(ema_dir, training.ema)
+        accelerator.print(f"the weights' moving average (--ema_decay {training.ema.decay:g}, {training.ema.updates} "
                           f"updates) in {ema_dir}: python eval.py --model {ema_dir} scores it")  # fmt: skip
-    if parts.finaliser:
+    if training.finalises_checkpoints:
         removed = checkpoint.remove_leftovers(out / "checkpoints")
         if removed:
             print(f"removed from {out / 'checkpoints'}, no longer needed by the finished run: {', '.join(removed)}")
@@ -392,5 +392,5 @@ def finish(run, parts) -> int:
     pushed = ""
     if accelerator.is_main_process and run.cfg.push_to_hub:
         pushed = push_final(final, run.cfg.push_to_hub, run.total_steps)
-    parts.trackers.end_training()
+    training.trackers.end_training()
     return 3 if pushed is None else 0
