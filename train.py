@@ -358,12 +358,12 @@ def check_flags(cfg: Config) -> None:
         trackers.check(cfg.log_with)
 
 
-def check(cfg: Config, given: set[str], accelerator) -> RunSettings:
+def check(cfg: Config, flags_given: set[str], accelerator) -> RunSettings:
     """Every start-up check, in the order a user would fix them; nothing is written. A resumed run's settings are
     its checkpoint's (those the command gives must agree), and its weights and model config come from there too, so
     --init_from is not read again."""
     check_flags(cfg)
-    if "decay_start_step" in given:
+    if "decay_start_step" in flags_given:
         raise UserError("--decay_start_step is set by --decay_branch (the checkpoint's step), not by hand: drop it")
     if cfg.push_to_hub:
         card.check_push(cfg.push_to_hub)
@@ -374,10 +374,10 @@ def check(cfg: Config, given: set[str], accelerator) -> RunSettings:
     resume = checkpoint.find_resume_checkpoint(cfg.resume, Path(cfg.output_dir) / "checkpoints", accelerator,
                                                own_work=not cfg.decay_branch)  # fmt: skip
     if resume is not None:
-        cfg, resume = checkpoint.resume_settings(cfg, given, resume, accelerator.print)
+        cfg, resume = checkpoint.resume_settings(cfg, flags_given, resume, accelerator.print)
         check_flags(cfg)
     if cfg.decay_branch:
-        cfg = branch_settings(cfg, given, resume)
+        cfg = branch_settings(cfg, flags_given, resume)
     one_source = resume is not None and "data_mix" not in resume.state  # a run from before mixtures: as it read it
     known_as = checkpoint.sources_known_as(resume)
     data = token_data.training_data(cfg.data_dir, cfg.seq_len, cfg.eval_tokens, cfg.data_mix, one_source, known_as)
@@ -387,7 +387,7 @@ def check(cfg: Config, given: set[str], accelerator) -> RunSettings:
     tokenizer = models.load_tokenizer(data.tokenizer_dir, "rebuild the data with prepare_data.py --overwrite")
     if resume is not None and (resume.path / "model_config.json").is_file():
         model_config = checkpoint.read_model_config(resume.path)
-        models.check_model_unchanged(cfg, given, model_config, data.meta, accelerator.print)
+        models.check_model_unchanged(cfg, flags_given, model_config, data.meta, accelerator.print)
     else:
         model_config = models.load_model_config(cfg.model_config, cfg.init_from, cfg.seq_len, data.meta)
         if cfg.init_from and resume is None:  # its config's fields and vocabulary first: they need no weights read
@@ -396,12 +396,12 @@ def check(cfg: Config, given: set[str], accelerator) -> RunSettings:
     cfg = dataclasses.replace(cfg, mtp_depth=mtp.depth_of(cfg.mtp_depth, model_config))  # -1: the model's own
     launch = distributed.live_launch(accelerator)
     cfg = choose_attention(cfg, model_config, launch, accelerator)
-    cfg = optimizer_lib.resolve(cfg, given, launch)  # auto: by preset and launch; Muon: unclipped
+    cfg = optimizer_lib.resolve(cfg, flags_given, launch)  # auto: by preset and launch; Muon: unclipped
     check_flags(cfg)  # the depth resolved is below --seq_len too
     optimizer_lib.check(cfg, launch)
     batch = token_data.BatchPlan(cfg.micro_batch_size, launch.grad_accum_steps, launch.world_size, cfg.seq_len)
     total_steps = token_data.total_steps_for(cfg.max_steps, cfg.num_epochs, data.n_windows, batch.sequences_per_step)
-    schedule, note = fitted(schedule_for(cfg, total_steps), "warmup_steps" in given)
+    schedule, note = fitted(schedule_for(cfg, total_steps), "warmup_steps" in flags_given)
     if note:
         accelerator.print(note)
     samples = TrainingSamples.of_run(cfg, data, tokenizer, model_config.max_position_embeddings)
@@ -429,7 +429,7 @@ def choose_attention(cfg: Config, model_config, launch, accelerator) -> Config:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def check_resume(run: RunSettings, given: set[str]) -> str | None:
+def check_resume(run: RunSettings, flags_given: set[str]) -> str | None:
     """Refuse a checkpoint this run cannot continue; returns a line to print when the schedule changes (a new --lr,
     --lr_decay_steps, a decay branch)."""
     state, path = run.resume.state, run.resume.path
@@ -447,7 +447,7 @@ def check_resume(run: RunSettings, given: set[str]) -> str | None:
             f"--decay_branch resumes on the {state['world_size']} processes that wrote {path}, not "
             f"{run.launch.world_size}: launch it with --num_processes {state['world_size']}"
         )
-    return replan(run.schedule, state, given)
+    return replan(run.schedule, state, flags_given)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -529,16 +529,16 @@ def checkpoint_state(training: TrainingObjects) -> dict:
     return {"moe_balancer": training.balancer, "ema": training.ema}
 
 
-def setup(cfg: Config, given: set[str]) -> tuple[RunSettings, TrainingObjects]:
+def setup(cfg: Config, flags_given: set[str]) -> tuple[RunSettings, TrainingObjects]:
     """Check, resume, plan, build: nothing is written to OUT before the first three phases have passed on every
     process."""
     watchdog = resilience.Watchdog(cfg.output_dir, cfg.step_timeout_s)  # a hang while starting ends the attempt too
     trackers.check(cfg.log_with)
     accelerator = distributed.start_accelerator(cfg.output_dir)
-    run = check(cfg, given, accelerator)
+    run = check(cfg, flags_given, accelerator)
     if run.cfg.step_timeout_s != cfg.step_timeout_s:  # a resumed run's own limit, or the one this resume changed
         watchdog.set_timeout(run.cfg.step_timeout_s)
-    replanned = check_resume(run, given) if run.resume is not None else None
+    replanned = check_resume(run, flags_given) if run.resume is not None else None
     if replanned:
         accelerator.print(replanned)
     cfg = run.cfg
@@ -583,8 +583,8 @@ def setup(cfg: Config, given: set[str]) -> tuple[RunSettings, TrainingObjects]:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def train(cfg: Config, given: set[str]) -> int:
-    run, training = setup(cfg, given)
+def train(cfg: Config, flags_given: set[str]) -> int:
+    run, training = setup(cfg, flags_given)
     cfg, accelerator, model, optimizer = run.cfg, training.accelerator, training.model, training.optimizer
     balancer, out, rank = training.balancer, Path(cfg.output_dir), accelerator.process_index
     accum, chunk, ckpt_root = run.launch.grad_accum_steps, cfg.loss_chunk_tokens, out / "checkpoints"
@@ -699,9 +699,9 @@ def train(cfg: Config, given: set[str]) -> int:
     return code
 
 
-def run_plan(cfg: Config, given: set[str] = frozenset()) -> int:
+def run_plan(cfg: Config, flags_given: set[str] = frozenset()) -> int:
     """`train.py --plan [--compare]`: the plan for a config on paper, no process group and no GPU needed."""
-    return plan.plan_on_paper(cfg, check_flags, given)
+    return plan.plan_on_paper(cfg, check_flags, flags_given)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -710,9 +710,9 @@ def main(argv: list[str] | None = None) -> int:
     if cfg is None:
         return 2
     if cfg.plan:
-        return run_plan(cfg, cli.given_fields(Config, argv))
+        return run_plan(cfg, cli.flags_given_in(Config, argv))
     try:
-        return train(cfg, cli.given_fields(Config, argv))
+        return train(cfg, cli.flags_given_in(Config, argv))
     except UserError as e:  # raised by setup, before anything is written; the same on every process
         cli.print_error(str(e))
         return 2

@@ -212,12 +212,18 @@ def test_resume_refuses_a_changed_training_setting(flag, value, tmp_path):
 def test_resume_may_change_what_the_messages_advise():
     """A diverged or hung run's advice (a lower LR, a longer warmup, a longer watchdog limit) is a resume that works;
     the changes are returned for metrics.jsonl, and the LR at the resume step is said."""
-    given = {"lr": 1e-3, "warmup_steps": 60, "max_grad_norm": 0.5, "step_timeout_s": 900.0, "max_skipped_steps": 5}
-    merged, _, changed = checkpoint.config_for_resume(train.Config(**given), set(given), SAVED)
-    assert changed == {k: [SAVED[k], v] for k, v in given.items()}
+    flags_given = {
+        "lr": 1e-3,
+        "warmup_steps": 60,
+        "max_grad_norm": 0.5,
+        "step_timeout_s": 900.0,
+        "max_skipped_steps": 5,
+    }
+    merged, _, changed = checkpoint.config_for_resume(train.Config(**flags_given), set(flags_given), SAVED)
+    assert changed == {k: [SAVED[k], v] for k, v in flags_given.items()}
     assert (merged.lr, merged.step_timeout_s, merged.seq_len) == (1e-3, 900.0, 128)
     state = {"step": 100, "total_steps": 300, "config": SAVED}
-    line = replan(train.schedule_for(merged, 300), state, set(given))
+    line = replan(train.schedule_for(merged, 300), state, set(flags_given))
     before, after = train.Schedule(2e-3, 30, 300, 0.1).lr(100), train.Schedule(1e-3, 60, 300, 0.1).lr(100)
     assert line == f"changed LR schedule: the LR of step 101 goes from {before:.3g} to {after:.3g}"
 
@@ -234,13 +240,13 @@ def test_resume_keeps_the_schedule_unless_replanned():
     assert replan(kept, long, {"max_steps"}) is None
 
 
-def test_given_fields_sees_abbreviations_and_bools():
-    assert cli.given_fields(train.Config, ["--max_steps", "5", "--gradient_checkpointing", "--lr=1e-3"]) == {
+def test_flags_given_in_sees_abbreviations_and_bools():
+    assert cli.flags_given_in(train.Config, ["--max_steps", "5", "--gradient_checkpointing", "--lr=1e-3"]) == {
         "max_steps",
         "gradient_checkpointing",
         "lr",
     }
-    assert cli.given_fields(train.Config, []) == set()
+    assert cli.flags_given_in(train.Config, []) == set()
 
 
 def test_optimizer_stays_fused_after_loading_an_older_checkpoint():

@@ -124,7 +124,7 @@ def mark_train_run(out: Path) -> None:
         os.replace(tmp, out / MARKER)
 
 
-def config_for_resume(cfg, given: set[str], saved: dict):
+def config_for_resume(cfg, flags_given: set[str], saved: dict):
     """The settings of a resumed run: the checkpoint's for every field the command does not give. A command that
     changes a "fixed" setting is refused (each Config field's resume= policy); the schedule's length is checked by schedule.replan once known.
     Returns (the run's Config, the settings taken from the checkpoint that differ from this command's, the retunable
@@ -136,7 +136,7 @@ def config_for_resume(cfg, given: set[str], saved: dict):
         if f.name not in saved or policy == "own":
             continue
         ours = getattr(cfg, f.name)
-        if f.name not in given or (f.name, ours) in RESOLVED_BY_THE_RUN:
+        if f.name not in flags_given or (f.name, ours) in RESOLVED_BY_THE_RUN:
             if saved[f.name] != ours:
                 taken[f.name] = saved[f.name]
         elif ours != saved[f.name] and policy == "retune":
@@ -156,10 +156,10 @@ def flag(name: str, value) -> str:
     return f"--{name} {value if value != '' else repr(value)}"
 
 
-def resume_settings(cfg, given: set[str], resume: Resume, say):
+def resume_settings(cfg, flags_given: set[str], resume: Resume, say):
     """config_for_resume for `resume`, saying what it took and what it changed: (the run's Config, the Resume with its
     changes, which metrics.jsonl records)."""
-    cfg, taken, changed = config_for_resume(cfg, given, resume.state.get("config", {}))
+    cfg, taken, changed = config_for_resume(cfg, flags_given, resume.state.get("config", {}))
     if taken:
         say(f"settings from {resume.path.name}: " + " ".join(flag(k, v) for k, v in taken.items()))
     if changed:
