@@ -41,7 +41,7 @@ from deepseek_zero3.recipe import optimizer as optimizer_lib
 from deepseek_zero3.recipe.ema import EMA
 from deepseek_zero3.recipe.schedule import Schedule, branch_settings, check_schedule_flags, fitted, parse_fractions
 from deepseek_zero3.recipe.schedule import replan
-from deepseek_zero3.run_dir import card, checkpoint, metrics, reshard, resilience, trackers
+from deepseek_zero3.run_dir import card, checkpoint, finish, metrics, reshard, resilience, trackers
 from deepseek_zero3.training_data import token_data
 
 # DeepSpeed calls collectives that torch renamed; the warning repeats every step and says nothing to a user.
@@ -694,7 +694,7 @@ def train(cfg: Config, flags_given: set[str]) -> int:
             return 0
     bar.close()
     watchdog.beat(step, "final export")
-    code = card.finish(run, training)
+    code = finish.export_run(run, training)
     watchdog.stop()
     return code
 
