@@ -40,7 +40,7 @@ from deepseek_zero3.planning import breakdown, plan
 from deepseek_zero3.recipe import optimizer as optimizer_lib
 from deepseek_zero3.recipe.ema import EMA
 from deepseek_zero3.recipe.schedule import Schedule, branch_settings, check_schedule_flags, fitted, parse_fractions
-from deepseek_zero3.recipe.schedule import replan
+from deepseek_zero3.recipe.schedule import schedule_change_on_resume
 from deepseek_zero3.run_dir import card, checkpoint, finish, metrics, reshard, resilience, trackers
 from deepseek_zero3.training_data import token_data
 
@@ -59,7 +59,8 @@ class Config:
         free    it may change: it changes what the run reports, or where it reads and writes, not what it trains
         retune  it may change, and metrics.jsonl records the change (what the run's own advice after a divergence
                 or a hang says to lower or raise)
-        length  the LR schedule's length: a change needs --lr_decay_steps or --decay_branch (schedule.replan)
+        length  the LR schedule's length: a change needs --lr_decay_steps or --decay_branch
+                (schedule.schedule_change_on_resume)
         own     this command's alone, never taken from the checkpoint
     A flag you add is `fixed` unless you say otherwise; a checkpoint from before it existed resumes with its default."""
 
@@ -447,7 +448,7 @@ def check_resume(run: RunSettings, flags_given: set[str]) -> str | None:
             f"--decay_branch resumes on the {state['world_size']} processes that wrote {path}, not "
             f"{run.launch.world_size}: launch it with --num_processes {state['world_size']}"
         )
-    return replan(run.schedule, state, flags_given)
+    return schedule_change_on_resume(run.schedule, state, flags_given)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -617,7 +618,7 @@ def train(cfg: Config, flags_given: set[str]) -> int:
     if step == 0 and cfg.eval_at_start:
         watchdog.beat(0, "validation")
         validate_at(0)
-    interval, skips = metrics.Interval(), training.skips
+    interval, skips = metrics.LogWindow(), training.skips
     # What --plan --from_run OUT compares; written once the run has started (a failed resume: none).
     if training.finalises_checkpoints:
         cli.write_json_atomic(out / "plan.json", training.planned.record)
@@ -655,7 +656,7 @@ def train(cfg: Config, flags_given: set[str]) -> int:
             record = metrics.metrics_record(run, training, step, interval, {"lr": lr, "grad_norm": grad_norm})
             bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{lr:.2e}")
             log(record, metrics.console_line(record, run.total_steps))
-            interval = metrics.Interval()
+            interval = metrics.LogWindow()
         pause_t0 = time.perf_counter()
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == run.total_steps:
             watchdog.beat(step, "validation")

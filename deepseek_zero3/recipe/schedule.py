@@ -126,7 +126,7 @@ def fitted(schedule: Schedule, given: bool = False) -> tuple[Schedule, str | Non
     be shortened: a warmup as long as the schedule warmed up to its end and never decayed, while describe() promised
     the decay. Such a warmup becomes a tenth of the schedule, whether --warmup_steps was given (given: for the note;
     a smoke test of a few steps keeps its command line) or its default, so that the schedule stays a pure function of
-    the run's settings: a resumed run (replan) and a decay branch fit it alike."""
+    the run's settings: a resumed run (schedule_change_on_resume) and a decay branch fit it alike."""
     if schedule.warmup_steps <= schedule.decline_start:
         return schedule, None
     warmup = min(schedule.length // 10, schedule.decline_start)
@@ -217,7 +217,7 @@ def branch_settings(cfg, flags_given: set[str], resume):
     return dataclasses.replace(cfg, decay_start_step=start, max_steps=step + cfg.decay_branch, lr_decay_steps=length)
 
 
-def replan(schedule: Schedule, state: dict, flags_given: set[str]) -> str | None:
+def schedule_change_on_resume(schedule: Schedule, state: dict, flags_given: set[str]) -> str | None:
     """A resumed run keeps its schedule's length unless the command re-plans it with --lr_decay_steps (--max_steps
     alone would stretch the decay under the run's feet: refused). A new length, --lr, --warmup_steps, --min_lr_ratio
     or a decay branch returns the line to print, with the LR at the resume step before and after."""

@@ -125,10 +125,11 @@ def mark_train_run(out: Path) -> None:
 
 
 def config_for_resume(cfg, flags_given: set[str], saved: dict):
-    """The settings of a resumed run: the checkpoint's for every field the command does not give. A command that
-    changes a "fixed" setting is refused (each Config field's resume= policy); the schedule's length is checked by schedule.replan once known.
-    Returns (the run's Config, the settings taken from the checkpoint that differ from this command's, the retunable
-    settings this command changes as {name: [the run's, this command's]})."""
+    """The settings of a resumed run: the checkpoint's for every field the command does not give. A command that changes
+    a "fixed" setting is refused (each Config field's resume= policy); the schedule's length is checked by
+    schedule.schedule_change_on_resume once known. Returns (the run's Config, the settings taken from the checkpoint
+    that differ from this command's, the retunable settings this command changes as {name: [the run's, this
+    command's]})."""
     taken, changed = {}, {}
     saved = {**BEFORE_THE_FIELD, **saved} if saved else saved
     for f in dataclasses.fields(cfg):

@@ -38,7 +38,7 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 @dataclasses.dataclass
-class Interval:
+class LogWindow:
     """The steps since the last log line: how many, the summed loss terms of those not skipped (train.py's lm_loss
     `logged`, each a step's mean over its micro-batches: tensors on this process's device until the log step reduces
     them) and how many those were, and their training time (pauses for validation and checkpoints excluded)."""
@@ -75,7 +75,7 @@ def fp16_loss_scale(engine, scaler) -> float | None:
     return None
 
 
-def metrics_record(run, training, step: int, interval: Interval, last: dict) -> dict:
+def metrics_record(run, training, step: int, interval: LogWindow, last: dict) -> dict:
     """The metrics of a log step (run and training: train.py's RunSettings and TrainingObjects); `last` holds the step's
     lr and grad_norm. Loss and memory are over all processes."""
     accelerator = training.accelerator
