@@ -48,12 +48,12 @@ from huggingface_hub.errors import StrictDataclassError
 
 from deepseek_zero3 import cli, distributed
 from deepseek_zero3.cli import UserError, field, write_json_atomic
-from deepseek_zero3.data import corpora, documents
 from deepseek_zero3.evaluation import generate, harness_tasks
 from deepseek_zero3.model import models, mtp
 from deepseek_zero3.model.lmloss import make_windows, score_windows, validation_loss
+from deepseek_zero3.prepare import corpora, documents
 from deepseek_zero3.run_dir import card, checkpoint, metrics, run_model
-from deepseek_zero3.tokens import token_data
+from deepseek_zero3.training_data import token_data
 
 
 # fmt: off

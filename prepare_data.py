@@ -26,9 +26,9 @@ meta.json, and validation.jsonl / test.jsonl (the held-out documents' text, for 
 checkpoint. DIR appears only when complete; an identical second run returns at once. A tokenizer process that dies
 (the out-of-memory killer, kill -9) stops the run at once with exit status 3, the partial output kept for a rerun.
 
-This script checks and decides; the work lives in the deepseek_zero3 package: reading sources (data/corpora.py,
-data/documents.py), the tokenizing pass (data/token_writer.py) and its processes (data/tokenizer_pool.py), the token
-format (tokens/token_data.py).
+This script checks and decides; the work lives in the deepseek_zero3 package: reading sources (prepare/corpora.py,
+prepare/documents.py), the tokenizing pass (prepare/token_writer.py) and its processes (prepare/tokenizer_pool.py), the token
+format (training_data/token_data.py).
 """
 
 from __future__ import annotations
@@ -52,10 +52,10 @@ import numpy as np
 
 from deepseek_zero3 import cli
 from deepseek_zero3.cli import UserError, field, write_json_atomic
-from deepseek_zero3.data import corpora, token_writer
-from deepseek_zero3.data.tokenizer_pool import PIECE_CHARS, PIECE_CUT, SPECIAL_TOKENS_IN_DOCUMENTS, WorkerDied
-from deepseek_zero3.data.tokenizer_pool import document_pieces
-from deepseek_zero3.tokens import token_data
+from deepseek_zero3.prepare import corpora, token_writer
+from deepseek_zero3.prepare.tokenizer_pool import PIECE_CHARS, PIECE_CUT, SPECIAL_TOKENS_IN_DOCUMENTS, WorkerDied
+from deepseek_zero3.prepare.tokenizer_pool import document_pieces
+from deepseek_zero3.training_data import token_data
 
 BPE_EOS = "<|endoftext|>"
 BPE_SAMPLE_CHARS = 1 << 30  # bpe:VOCAB trains on at most the first ~1 GB of training text

@@ -40,9 +40,9 @@ from deepseek_zero3.planning import breakdown, plan
 from deepseek_zero3.recipe import optimizer as optimizer_lib
 from deepseek_zero3.recipe.ema import EMA
 from deepseek_zero3.recipe.schedule import Schedule, branch_settings, check_schedule_flags, fitted, parse_fractions
-from deepseek_zero3.recipe.schedule import replan
-from deepseek_zero3.run_dir import card, checkpoint, metrics, reshard, resilience, trackers
-from deepseek_zero3.tokens import token_data
+from deepseek_zero3.recipe.schedule import schedule_change_on_resume
+from deepseek_zero3.run_dir import card, checkpoint, finish, metrics, reshard, resilience, trackers
+from deepseek_zero3.training_data import token_data
 
 # DeepSpeed calls collectives that torch renamed; the warning repeats every step and says nothing to a user.
 warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
@@ -59,7 +59,8 @@ class Config:
         free    it may change: it changes what the run reports, or where it reads and writes, not what it trains
         retune  it may change, and metrics.jsonl records the change (what the run's own advice after a divergence
                 or a hang says to lower or raise)
-        length  the LR schedule's length: a change needs --lr_decay_steps or --decay_branch (schedule.replan)
+        length  the LR schedule's length: a change needs --lr_decay_steps or --decay_branch
+                (schedule.schedule_change_on_resume)
         own     this command's alone, never taken from the checkpoint
     A flag you add is `fixed` unless you say otherwise; a checkpoint from before it existed resumes with its default."""
 
@@ -236,30 +237,30 @@ def lm_loss(model, batch: tuple[torch.Tensor, ...], cfg: Config, mtp_scale=None,
     return objective, {name: term.detach() for name, term in logged.items()}
 
 
-def backward(parts, loss: torch.Tensor, step: int) -> None:
+def backward(training, loss: torch.Tensor, step: int) -> None:
     """The gradients of one micro-batch's loss, summed over the step's micro-batches (and, at the last, over the
     processes). Under every strategy the weights stay as they are: DeepSpeed's engine is told whether this is the
     step's last micro-batch and runs its backward only (its step is update's); without DeepSpeed Accelerate divides by
     the accumulation and, in fp16, scales by the GradScaler."""
-    resilience.backward(parts.accelerator, parts.engine, loss, step)
+    resilience.backward(training.accelerator, training.engine, loss, step)
 
 
-def update(parts, cfg: Config, step: int) -> tuple[torch.Tensor | float | None, bool]:
+def update(training, cfg: Config, step: int) -> tuple[torch.Tensor | float | None, bool]:
     """The step's weight update, the one place it happens under every strategy: clip the gradients to --max_grad_norm,
     step the optimizer, zero the gradients. A step whose gradients are not finite is skipped (weights and optimizer
     state unchanged). Returns (gradient norm, skipped). Under DeepSpeed (ZeRO-1/2/3, offload) its engine does all of it
     and decides the skip (`gradient_clipping` in its config is --max_grad_norm: build_model); fp16's GradScaler skips an
     overflowing step by itself."""
-    accelerator = parts.accelerator
-    if parts.engine is not None:
-        resilience.engine_step(parts.engine, step)
-        return parts.engine.get_global_grad_norm(), parts.skips.after_step(step, False)
-    grad_norm = accelerator.clip_grad_norm_(parts.model.parameters(), cfg.max_grad_norm or float("inf"))
+    accelerator = training.accelerator
+    if training.engine is not None:
+        resilience.engine_step(training.engine, step)
+        return training.engine.get_global_grad_norm(), training.skips.after_step(step, False)
+    grad_norm = accelerator.clip_grad_norm_(training.model.parameters(), cfg.max_grad_norm or float("inf"))
     skip = accelerator.scaler is None and not torch.isfinite(grad_norm)
     if not skip:
-        parts.optimizer.step()
-    parts.optimizer.zero_grad()
-    return grad_norm, parts.skips.after_step(step, skip)
+        training.optimizer.step()
+    training.optimizer.zero_grad()
+    return grad_norm, training.skips.after_step(step, skip)
 
 
 def mtp_scale(run, step: int) -> torch.Tensor:
@@ -276,7 +277,7 @@ def mtp_scale(run, step: int) -> torch.Tensor:
 
 
 @dataclasses.dataclass(frozen=True)
-class Run:
+class RunSettings:
     """What the checks decided: the run's settings (a resumed run's come from its checkpoint) and its shape."""
 
     cfg: Config
@@ -358,12 +359,12 @@ def check_flags(cfg: Config) -> None:
         trackers.check(cfg.log_with)
 
 
-def check(cfg: Config, given: set[str], accelerator) -> Run:
+def check(cfg: Config, flags_given: set[str], accelerator) -> RunSettings:
     """Every start-up check, in the order a user would fix them; nothing is written. A resumed run's settings are
     its checkpoint's (those the command gives must agree), and its weights and model config come from there too, so
     --init_from is not read again."""
     check_flags(cfg)
-    if "decay_start_step" in given:
+    if "decay_start_step" in flags_given:
         raise UserError("--decay_start_step is set by --decay_branch (the checkpoint's step), not by hand: drop it")
     if cfg.push_to_hub:
         card.check_push(cfg.push_to_hub)
@@ -374,10 +375,10 @@ def check(cfg: Config, given: set[str], accelerator) -> Run:
     resume = checkpoint.find_resume_checkpoint(cfg.resume, Path(cfg.output_dir) / "checkpoints", accelerator,
                                                own_work=not cfg.decay_branch)  # fmt: skip
     if resume is not None:
-        cfg, resume = checkpoint.resume_settings(cfg, given, resume, accelerator.print)
+        cfg, resume = checkpoint.resume_settings(cfg, flags_given, resume, accelerator.print)
         check_flags(cfg)
     if cfg.decay_branch:
-        cfg = branch_settings(cfg, given, resume)
+        cfg = branch_settings(cfg, flags_given, resume)
     one_source = resume is not None and "data_mix" not in resume.state  # a run from before mixtures: as it read it
     known_as = checkpoint.sources_known_as(resume)
     data = token_data.training_data(cfg.data_dir, cfg.seq_len, cfg.eval_tokens, cfg.data_mix, one_source, known_as)
@@ -387,7 +388,7 @@ def check(cfg: Config, given: set[str], accelerator) -> Run:
     tokenizer = models.load_tokenizer(data.tokenizer_dir, "rebuild the data with prepare_data.py --overwrite")
     if resume is not None and (resume.path / "model_config.json").is_file():
         model_config = checkpoint.read_model_config(resume.path)
-        models.check_model_unchanged(cfg, given, model_config, data.meta, accelerator.print)
+        models.check_model_unchanged(cfg, flags_given, model_config, data.meta, accelerator.print)
     else:
         model_config = models.load_model_config(cfg.model_config, cfg.init_from, cfg.seq_len, data.meta)
         if cfg.init_from and resume is None:  # its config's fields and vocabulary first: they need no weights read
@@ -396,16 +397,16 @@ def check(cfg: Config, given: set[str], accelerator) -> Run:
     cfg = dataclasses.replace(cfg, mtp_depth=mtp.depth_of(cfg.mtp_depth, model_config))  # -1: the model's own
     launch = distributed.live_launch(accelerator)
     cfg = choose_attention(cfg, model_config, launch, accelerator)
-    cfg = optimizer_lib.resolve(cfg, given, launch)  # auto: by preset and launch; Muon: unclipped
+    cfg = optimizer_lib.resolve(cfg, flags_given, launch)  # auto: by preset and launch; Muon: unclipped
     check_flags(cfg)  # the depth resolved is below --seq_len too
     optimizer_lib.check(cfg, launch)
     batch = token_data.BatchPlan(cfg.micro_batch_size, launch.grad_accum_steps, launch.world_size, cfg.seq_len)
     total_steps = token_data.total_steps_for(cfg.max_steps, cfg.num_epochs, data.n_windows, batch.sequences_per_step)
-    schedule, note = fitted(schedule_for(cfg, total_steps), "warmup_steps" in given)
+    schedule, note = fitted(schedule_for(cfg, total_steps), "warmup_steps" in flags_given)
     if note:
         accelerator.print(note)
     samples = TrainingSamples.of_run(cfg, data, tokenizer, model_config.max_position_embeddings)
-    return Run(cfg, data, tokenizer, model_config, launch, batch, total_steps, schedule, resume, samples)
+    return RunSettings(cfg, data, tokenizer, model_config, launch, batch, total_steps, schedule, resume, samples)
 
 
 def choose_attention(cfg: Config, model_config, launch, accelerator) -> Config:
@@ -429,7 +430,7 @@ def choose_attention(cfg: Config, model_config, launch, accelerator) -> Config:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def check_resume(run: Run, given: set[str]) -> str | None:
+def check_resume(run: RunSettings, flags_given: set[str]) -> str | None:
     """Refuse a checkpoint this run cannot continue; returns a line to print when the schedule changes (a new --lr,
     --lr_decay_steps, a decay branch)."""
     state, path = run.resume.state, run.resume.path
@@ -447,7 +448,7 @@ def check_resume(run: Run, given: set[str]) -> str | None:
             f"--decay_branch resumes on the {state['world_size']} processes that wrote {path}, not "
             f"{run.launch.world_size}: launch it with --num_processes {state['world_size']}"
         )
-    return replan(run.schedule, state, given)
+    return schedule_change_on_resume(run.schedule, state, flags_given)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -457,15 +458,15 @@ def check_resume(run: Run, given: set[str]) -> str | None:
 
 
 @dataclasses.dataclass
-class Parts:
-    """What the loop works with besides the Run."""
+class TrainingObjects:
+    """What the loop works with besides the RunSettings."""
 
     accelerator: object
     model: object  # prepared: the DeepSpeed engine under DeepSpeed
     optimizer: object
     balancer: moe.LoadBalancer | None  # None for a dense model
     planned: plan.RunPlan  # what MFU is measured against, among others
-    finaliser: bool  # this process finalises checkpoints on its filesystem
+    finalises_checkpoints: bool  # this process finalises checkpoints on its filesystem
     watchdog: resilience.Watchdog
     ema: EMA | None = None  # --ema_decay
     skips: resilience.Skips | None = None
@@ -477,7 +478,7 @@ class Parts:
         return self.model if self.accelerator.state.deepspeed_plugin is not None else None
 
 
-def build_model(run: Run, accelerator):
+def build_model(run: RunSettings, accelerator):
     """The model under ZeRO-3 (each parameter partitioned as it is created), its optimizer and, for a MoE model, the
     load balancer. Returns (model, optimizer, balancer, parameter count)."""
     from accelerate.utils import set_seed
@@ -519,26 +520,26 @@ def build_model(run: Run, accelerator):
     return model, optimizer, balancer, n_params
 
 
-def checkpoint_state(parts: Parts) -> dict:
+def checkpoint_state(training: TrainingObjects) -> dict:
     """What a checkpoint holds besides the model, the optimizer, the random states and the data position (DeepSpeed's
     and Accelerate's files, trainer_state.json): name -> an object with state_dict() and load_state_dict(). Add a piece
     of state here and every checkpoint saves it and every resume restores it. One that each process holds its own share
     of says `sharded = True` (saved per process; on another number of processes its reshard() cuts it again, or the
     resume is refused naming it); any other must be the same on every process (checked when saved). See
     run_dir/state.py. None: not in this run."""
-    return {"moe_balancer": parts.balancer, "ema": parts.ema}
+    return {"moe_balancer": training.balancer, "ema": training.ema}
 
 
-def setup(cfg: Config, given: set[str]) -> tuple[Run, Parts]:
+def setup(cfg: Config, flags_given: set[str]) -> tuple[RunSettings, TrainingObjects]:
     """Check, resume, plan, build: nothing is written to OUT before the first three phases have passed on every
     process."""
     watchdog = resilience.Watchdog(cfg.output_dir, cfg.step_timeout_s)  # a hang while starting ends the attempt too
     trackers.check(cfg.log_with)
     accelerator = distributed.start_accelerator(cfg.output_dir)
-    run = check(cfg, given, accelerator)
+    run = check(cfg, flags_given, accelerator)
     if run.cfg.step_timeout_s != cfg.step_timeout_s:  # a resumed run's own limit, or the one this resume changed
         watchdog.set_timeout(run.cfg.step_timeout_s)
-    replanned = check_resume(run, given) if run.resume is not None else None
+    replanned = check_resume(run, flags_given) if run.resume is not None else None
     if replanned:
         accelerator.print(replanned)
     cfg = run.cfg
@@ -550,8 +551,8 @@ def setup(cfg: Config, given: set[str]) -> tuple[Run, Parts]:
     if accelerator.is_local_main_process:
         checkpoint.mark_train_run(out)
     resilience.lock_run_dir(accelerator, out)
-    finaliser = checkpoint.first_process_on_disk(accelerator, ckpt_root)
-    if finaliser:
+    finalises_checkpoints = checkpoint.first_process_on_disk(accelerator, ckpt_root)
+    if finalises_checkpoints:
         if removed := checkpoint.remove_leftovers(ckpt_root):
             print(f"removed what earlier runs left unfinished in {ckpt_root}: {', '.join(removed)}")
     accelerator.wait_for_everyone()
@@ -565,17 +566,17 @@ def setup(cfg: Config, given: set[str]) -> tuple[Run, Parts]:
         f"{planned.flops_per_token / 1e6:.1f} MFLOP/token; peak {planned.peak_flops / 1e12:.2f} TFLOP/s "
         f"({planned.peak_source}); loss: {loss_path(cfg.loss_chunk_tokens)}"
     )
-    parts = Parts(accelerator, model, optimizer, balancer, planned, finaliser, watchdog)
+    training = TrainingObjects(accelerator, model, optimizer, balancer, planned, finalises_checkpoints, watchdog)
     if cfg.ema_decay:
-        parts.ema = EMA(model, cfg.ema_decay)  # from the weights as built; a resume loads the checkpoint's
+        training.ema = EMA(model, cfg.ema_decay)  # from the weights as built; a resume loads the checkpoint's
     if run.resume is not None:
-        checkpoint.load_checkpoint(run, parts, checkpoint_state(parts), universal)
+        checkpoint.load_checkpoint(run, training, checkpoint_state(training), universal)
         reshard.after_load(model, universal, run.launch.zero_stage)
-        optimizer_lib.after_load(parts.engine)  # a Muon checkpoint of DeepSpeed's FusedAdam: torch's AdamW's steps
+        optimizer_lib.after_load(training.engine)  # a Muon checkpoint of DeepSpeed's FusedAdam: torch's AdamW's steps
     resumed = run.resume.state if run.resume else None
-    parts.skips = resilience.Skips(parts, resumed, cfg.max_skipped_steps, run.launch.precision)
-    parts.trackers = metrics.start_outputs(run, accelerator, mem_before_model_gib, n_params)
-    return run, parts
+    training.skips = resilience.Skips(training, resumed, cfg.max_skipped_steps, run.launch.precision)
+    training.trackers = metrics.start_outputs(run, accelerator, mem_before_model_gib, n_params)
+    return run, training
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -583,17 +584,17 @@ def setup(cfg: Config, given: set[str]) -> tuple[Run, Parts]:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def train(cfg: Config, given: set[str]) -> int:
-    run, parts = setup(cfg, given)
-    cfg, accelerator, model, optimizer = run.cfg, parts.accelerator, parts.model, parts.optimizer
-    balancer, out, rank = parts.balancer, Path(cfg.output_dir), accelerator.process_index
+def train(cfg: Config, flags_given: set[str]) -> int:
+    run, training = setup(cfg, flags_given)
+    cfg, accelerator, model, optimizer = run.cfg, training.accelerator, training.model, training.optimizer
+    balancer, out, rank = training.balancer, Path(cfg.output_dir), accelerator.process_index
     accum, chunk, ckpt_root = run.launch.grad_accum_steps, cfg.loss_chunk_tokens, out / "checkpoints"
 
     def log(record: dict, console: str) -> None:
         if accelerator.is_main_process:
             metrics.append(out / "metrics.jsonl", record)
             bar.write(console)
-            parts.trackers.log(record)
+            training.trackers.log(record)
 
     def validate_at(step: int) -> None:
         eos = run.data.meta["eos_id"] if cfg.document_masking else None
@@ -613,13 +614,14 @@ def train(cfg: Config, given: set[str]) -> int:
     step = run.resume.state["step"] if run.resume is not None else 0
     bar = cli.progress_bar(total=run.total_steps, initial=step, desc="train", dynamic_ncols=True,
                            disable=not accelerator.is_main_process)  # fmt: skip
-    watchdog = parts.watchdog
+    watchdog = training.watchdog
     if step == 0 and cfg.eval_at_start:
         watchdog.beat(0, "validation")
         validate_at(0)
-    interval, skips = metrics.Interval(), parts.skips
-    if parts.finaliser:  # what --plan --from_run OUT compares; written once the run has started (a failed resume: none)
-        cli.write_json_atomic(out / "plan.json", parts.planned.record)
+    interval, skips = metrics.LogWindow(), training.skips
+    # What --plan --from_run OUT compares; written once the run has started (a failed resume: none).
+    if training.finalises_checkpoints:
+        cli.write_json_atomic(out / "plan.json", training.planned.record)
     profiler = breakdown.Profiler(cfg.profile_steps, out, rank, step)
     watchdog.beat(step)
     while step < run.total_steps:
@@ -635,14 +637,14 @@ def train(cfg: Config, given: set[str]) -> int:
             with accelerator.accumulate(model):  # the last micro-step syncs the gradients
                 with balancer.collecting() if balancer else contextlib.nullcontext():
                     loss, terms = lm_loss(model, batch, cfg, scale, balancer)
-                backward(parts, loss, step + 1)  # gradients only: no strategy changes the weights here
+                backward(training, loss, step + 1)  # gradients only: no strategy changes the weights here
             logged = {name: logged.get(name, 0) + term / accum for name, term in terms.items()}
-        grad_norm, skipped = update(parts, cfg, step + 1)  # <- the weights change here, under every strategy
+        grad_norm, skipped = update(training, cfg, step + 1)  # <- the weights change here, under every strategy
         # From here on the weights are the updated ones, whole or ZeRO-3 partitions (model/weights.py reads either).
         if balancer:
             balancer.update(accelerator)
-        if parts.ema is not None and not skipped:
-            parts.ema.update()
+        if training.ema is not None and not skipped:
+            training.ema.update()
         step += 1
         stop_requested = resilience.stop_vote(accelerator, stop_signals, step)  # every process stops after this step
         profiler.step(last=stop_requested or step == run.total_steps)
@@ -651,10 +653,10 @@ def train(cfg: Config, given: set[str]) -> int:
 
         if step % cfg.log_every == 0 or step == run.total_steps or stop_requested:
             grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
-            record = metrics.metrics_record(run, parts, step, interval, {"lr": lr, "grad_norm": grad_norm})
+            record = metrics.metrics_record(run, training, step, interval, {"lr": lr, "grad_norm": grad_norm})
             bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{lr:.2e}")
             log(record, metrics.console_line(record, run.total_steps))
-            interval = metrics.Interval()
+            interval = metrics.LogWindow()
         pause_t0 = time.perf_counter()
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == run.total_steps:
             watchdog.beat(step, "validation")
@@ -669,10 +671,10 @@ def train(cfg: Config, given: set[str]) -> int:
                     run.state_at(step, skips.total),
                     run.model_config,
                     cfg.keep_last,
-                    checkpoint_state(parts),
+                    checkpoint_state(training),
                 ),
                 run.resume.kept if run.resume else (),
-                parts.finaliser,
+                training.finalises_checkpoints,
             )
             accelerator.print(f"saved {saved}")
             # A signal that came while the checkpoint was written stops the run now, not one step and checkpoint later.
@@ -689,18 +691,18 @@ def train(cfg: Config, given: set[str]) -> int:
                 f"continues from {ckpt_root / f'step_{step}'}"
             )
             watchdog.stop()
-            parts.trackers.end_training()
+            training.trackers.end_training()
             return 0
     bar.close()
     watchdog.beat(step, "final export")
-    code = card.finish(run, parts)
+    code = finish.export_run(run, training)
     watchdog.stop()
     return code
 
 
-def run_plan(cfg: Config, given: set[str] = frozenset()) -> int:
+def run_plan(cfg: Config, flags_given: set[str] = frozenset()) -> int:
     """`train.py --plan [--compare]`: the plan for a config on paper, no process group and no GPU needed."""
-    return plan.plan_on_paper(cfg, check_flags, given)
+    return plan.plan_on_paper(cfg, check_flags, flags_given)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -709,9 +711,9 @@ def main(argv: list[str] | None = None) -> int:
     if cfg is None:
         return 2
     if cfg.plan:
-        return run_plan(cfg, cli.given_fields(Config, argv))
+        return run_plan(cfg, cli.flags_given_in(Config, argv))
     try:
-        return train(cfg, cli.given_fields(Config, argv))
+        return train(cfg, cli.flags_given_in(Config, argv))
     except UserError as e:  # raised by setup, before anything is written; the same on every process
         cli.print_error(str(e))
         return 2

@@ -20,7 +20,7 @@ from common import free_port, prepare_docs, record, train_py_rate
 
 
 def windows_with_several_documents(data: Path, seq_len: int) -> float:
-    from deepseek_zero3.tokens import token_data
+    from deepseek_zero3.training_data import token_data
 
     meta = token_data.read_meta(data)
     tokens = np.asarray(token_data.load_split(data, "train", meta))

@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from common import REPO, prepare_docs, record
 
-from deepseek_zero3.data import documents
 from deepseek_zero3.model import lmloss, models
-from deepseek_zero3.tokens import token_data
+from deepseek_zero3.prepare import documents
+from deepseek_zero3.training_data import token_data
 
 
 def main():

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from common import REPO, harness_command, prepare_docs, read_harness_results, record, sh, write_harness_wikitext_task
 
-from deepseek_zero3.data import documents
-from deepseek_zero3.tokens import token_data
+from deepseek_zero3.prepare import documents
+from deepseek_zero3.training_data import token_data
 
 
 def timed(cmd: list[str], env: dict | None = None) -> float:

@@ -24,7 +24,7 @@ from common import free_port, prepare_docs, record, train_py_rate
 
 from deepseek_zero3.model import models
 from deepseek_zero3.planning import model_math
-from deepseek_zero3.tokens import token_data
+from deepseek_zero3.training_data import token_data
 
 
 def dense_twin(moe_config, dense_preset: str, seq_len: int, meta: dict, out: Path) -> tuple[Path, float, float]:

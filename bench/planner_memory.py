@@ -19,7 +19,7 @@ from common import prepare_docs, record, sh
 from deepseek_zero3 import distributed
 from deepseek_zero3.model import lmloss, models
 from deepseek_zero3.planning import costs
-from deepseek_zero3.tokens import token_data
+from deepseek_zero3.training_data import token_data
 
 ONE_PROCESS = distributed.Launch(1, 1, "fp32", 1, "none", False, False, 3)  # what the runs below are
 

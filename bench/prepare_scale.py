@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 from common import REPO, raw_tokenizer_rate, record, sh, synthetic_web_documents
 
-from deepseek_zero3.tokens import token_data
+from deepseek_zero3.training_data import token_data
 
 
 def tree_rss(proc: psutil.Process) -> int:

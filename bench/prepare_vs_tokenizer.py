@@ -19,8 +19,8 @@ from pathlib import Path
 
 from common import raw_tokenizer_rate, record, sh
 
-from deepseek_zero3.data import corpora
-from deepseek_zero3.tokens import token_data
+from deepseek_zero3.prepare import corpora
+from deepseek_zero3.training_data import token_data
 
 
 def main():

@@ -34,7 +34,7 @@ from deepseek_zero3 import distributed
 from deepseek_zero3.model import models
 from deepseek_zero3.model.lmloss import DEFAULT_CHUNK_TOKENS
 from deepseek_zero3.planning import breakdown, costs
-from deepseek_zero3.tokens import token_data
+from deepseek_zero3.training_data import token_data
 
 
 def launchers(accum: int) -> dict:

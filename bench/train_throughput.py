@@ -27,7 +27,7 @@ from common import free_port, prepare_docs, record, sh, train_py_rate
 
 from deepseek_zero3.model import models
 from deepseek_zero3.planning import model_math
-from deepseek_zero3.tokens import token_data
+from deepseek_zero3.training_data import token_data
 
 
 def bare_loop(data_dir: Path, model_config: str, seq_len: int, batch: int, steps: int) -> float:

@@ -46,7 +46,7 @@ import numpy as np
 from common import REPO, free_port, machine, prepare_docs, record
 
 from deepseek_zero3.model import models
-from deepseek_zero3.tokens import token_data
+from deepseek_zero3.training_data import token_data
 
 EXAMPLE = Path("examples") / "by_feature" / "deepspeed_with_config_support.py"
 MODEL, SEQ_LEN, MICRO_BATCH, PROCESSES = "mini", 128, 8, 3

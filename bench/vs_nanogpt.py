@@ -45,7 +45,7 @@ from common import REPO, machine, record  # noqa: I001 - common puts the reposit
 
 from deepseek_zero3.model import models
 from deepseek_zero3.model.lmloss import document_positions, nll_sum
-from deepseek_zero3.tokens import token_data
+from deepseek_zero3.training_data import token_data
 
 
 def add_run_args(ap, steps: int, warmup: int) -> None:

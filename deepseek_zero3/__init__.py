@@ -3,8 +3,8 @@ concern; a script imports what it needs by name, e.g. `from deepseek_zero3.run_d
 
     cli.py          the command-line edge: Config parsing, the one-line errors, whole-file writes, the console
     distributed.py  how the processes were launched: the Accelerator, the process group, the launch record
-    data/           data in (prepare_data.py): documents, corpora, tokenizer processes, the token writer
-    tokens/         tokens out (train.py, eval.py): the token files' format, the sample order, the batch plan
+    prepare/        what prepare_data.py uses to make token files: documents, corpora, tokenizer processes, the writer
+    training_data/  the token files read for training (train.py, eval.py): their format, the sample order, the batch plan
     model/          the model: config presets and tokenizers, MoE load balancing, the chunked loss
     run_dir/        a run's directory: checkpoints and resume, metrics, what keeps a long run going, a checkpoint as
                     a model to evaluate

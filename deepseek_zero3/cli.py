@@ -1,6 +1,6 @@
 """What every script does at its edges: refuse bad input, write files whole, keep the console readable, and leave.
 
-- field / given_fields / parse_config: a Config dataclass's fields, which of them a command line sets, and the
+- field / flags_given_in / parse_config: a Config dataclass's fields, which of them a command line sets, and the
   Config of a command line (an unknown flag is one `error:` line).
 - UserError: a mistake of the user's (a flag, a file, a directory). The message is one line that names the value,
   the constraint and the fix; main() prints it as `error: ...` and exits 2, before anything is half-written.
@@ -118,7 +118,7 @@ def resume_policy(f: dataclasses.Field) -> str:
     return getattr(f.metadata.get("help"), "resume", "fixed")
 
 
-def given_fields(config_class, argv: list[str]) -> set[str]:
+def flags_given_in(config_class, argv: list[str]) -> set[str]:
     """The fields of a Config dataclass that the command line sets (argparse abbreviations included), as opposed to
     those left at their default."""
     import argparse

@@ -353,7 +353,7 @@ def reloaded_model(final_dir, data_dir) -> dict:
     first source), and the length of a greedy 4-token continuation."""
     script = f"""
 import sys; sys.path.insert(0, "."); import json, torch, numpy as np
-from deepseek_zero3.tokens import token_data
+from deepseek_zero3.training_data import token_data
 from deepseek_zero3.model import lmloss
 from transformers import AutoModelForCausalLM
 m = AutoModelForCausalLM.from_pretrained("{final_dir}").eval()

@@ -14,8 +14,8 @@ from conftest import REPO, WIKITEXT2, docs_prepare_args, needs_wikitext, run
 
 import prepare_data
 from deepseek_zero3.cli import UserError
-from deepseek_zero3.data import corpora, documents
-from deepseek_zero3.tokens import token_data
+from deepseek_zero3.prepare import corpora, documents
+from deepseek_zero3.training_data import token_data
 
 PREPARE = [sys.executable, "prepare_data.py"]
 WIKI = " \n = Alpha = \n \n Alpha text . \n \n = = Section = = \n \n More alpha . \n \n = Beta = \n \n Beta text . \n"

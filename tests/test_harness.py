@@ -8,7 +8,7 @@ from common import harness_command, read_harness_results, write_harness_wikitext
 from conftest import WIKITEXT2, needs_wikitext, run
 
 import eval as ev
-from deepseek_zero3.data import documents
+from deepseek_zero3.prepare import documents
 
 
 def test_harness_pages_split_at_titles_and_drop_the_newline():

@@ -174,7 +174,7 @@ def test_a_checkpointed_run_logs_mfu_and_hfu_everywhere(docs_data, tmp_path):
     line, TensorBoard and the model card say; final/ is the Qwen3 model that QK-norm is in transformers."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from deepseek_zero3.tokens import token_data
+    from deepseek_zero3.training_data import token_data
 
     out = tmp_path / "out"
     tiny_qk_norm = ["tiny-qk-norm" if arg == "tiny" else arg for arg in TINY]

@@ -20,7 +20,7 @@ import train
 from deepseek_zero3.cli import UserError
 from deepseek_zero3.model import attention, lmloss, models, mtp
 from deepseek_zero3.run_dir import checkpoint
-from deepseek_zero3.tokens import mixture, token_data
+from deepseek_zero3.training_data import mixture, token_data
 
 # --- the mixture's order ------------------------------------------------------------------------------------------
 

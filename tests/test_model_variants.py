@@ -101,7 +101,7 @@ def test_a_trained_qk_norm_model_is_exported_and_loads_back_as_itself(docs_data,
 
     import eval as eval_script
     from deepseek_zero3.run_dir import checkpoint
-    from deepseek_zero3.tokens import token_data
+    from deepseek_zero3.training_data import token_data
 
     meta = token_data.read_meta(docs_data)
     c = models.load_model_config("tiny-qk-norm", "", 32, meta)

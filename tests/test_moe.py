@@ -200,7 +200,7 @@ def test_mtp_module_is_exported_in_deepseeks_layout_and_scores_as_trained(moe_re
     from transformers import AutoModelForCausalLM
 
     from deepseek_zero3.model import lmloss, mtp
-    from deepseek_zero3.tokens import token_data
+    from deepseek_zero3.training_data import token_data
 
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 

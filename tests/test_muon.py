@@ -257,7 +257,7 @@ def test_flags_and_strategies_muon_refuses():
 
 def test_a_muon_checkpoint_on_another_zero_process_count_is_refused_before_anything_is_written():
     from deepseek_zero3.run_dir import reshard
-    from deepseek_zero3.tokens.token_data import BatchPlan
+    from deepseek_zero3.training_data.token_data import BatchPlan
 
     state = {"micro_batch_size": 2, "grad_accum_steps": 1, "world_size": 3, "step": 4, "config": {"optimizer": "muon"}}
     zero3 = lambda n: distributed.Launch(n, 1, "fp32", 1, "none", False, False, 3)
@@ -282,9 +282,9 @@ def test_auto_picks_muon_for_the_presets_it_won_on_and_old_runs_stay_adamw():
         optimizer_lib.resolve(train.Config(model_config="mini"), {"max_grad_norm"})
     # A checkpoint saved before --optimizer existed trained with AdamW: its resume keeps it, --optimizer auto included.
     saved = {f: v for f, v in dataclasses.asdict(train.Config()).items() if f != "optimizer"}
-    for given in (set(), {"optimizer"}):
-        cfg, taken, _ = checkpoint.config_for_resume(train.Config(), given, saved)
-        assert cfg.optimizer == "adamw" and taken["optimizer"] == "adamw", given
+    for flags_given in (set(), {"optimizer"}):
+        cfg, taken, _ = checkpoint.config_for_resume(train.Config(), flags_given, saved)
+        assert cfg.optimizer == "adamw" and taken["optimizer"] == "adamw", flags_given
 
 
 def assert_same(a_dir, b_dir, steps, rel: float, steps_of_nan=()) -> None:

@@ -19,8 +19,8 @@ from common import synthetic_web_documents
 from conftest import REPO, WIKITEXT2, run
 
 import prepare_data
-from deepseek_zero3.data import corpora, documents, tokenizer_pool
-from deepseek_zero3.tokens import token_data
+from deepseek_zero3.prepare import corpora, documents, tokenizer_pool
+from deepseek_zero3.training_data import token_data
 
 PREPARE = [sys.executable, "prepare_data.py"]
 
@@ -355,7 +355,7 @@ def test_hub_reachability_goes_through_the_proxy():
     try:
         proxy = f"http://127.0.0.1:{server.server_port}"
         env = {"HF_ENDPOINT": "http://hub.invalid", "HTTP_PROXY": proxy, "NO_PROXY": "", "no_proxy": ""}
-        script = "from deepseek_zero3.data import corpora; print(corpora.hub_unreachable_reason())"
+        script = "from deepseek_zero3.prepare import corpora; print(corpora.hub_unreachable_reason())"
         proc = run([sys.executable, "-c", script], env={**env, "HF_HUB_OFFLINE": "0"})
         assert proc.stdout.strip() == "None" and seen == ["http://hub.invalid/"], (proc.stdout, seen)
         proc = run([sys.executable, "-c", script], env={**env, "HF_HUB_OFFLINE": "0", "HTTP_PROXY": ""})

@@ -15,7 +15,7 @@ from conftest import TINY, launch, metrics, run, train_records
 import train
 from deepseek_zero3.recipe import scaling
 from deepseek_zero3.recipe.schedule import Schedule, first_step_past
-from deepseek_zero3.tokens import token_data
+from deepseek_zero3.training_data import token_data
 
 
 def test_multistep_is_deepseeks_shape():
@@ -76,13 +76,13 @@ def test_a_short_run_with_the_default_warmup_decays_as_it_says(docs_data, tmp_pa
 
 
 def test_a_shortened_warmup_resumes_without_a_change():
-    """replan fits the checkpoint's schedule as the run did: resuming a 20-step run with the default warmup is no
-    change of schedule."""
-    from deepseek_zero3.recipe.schedule import fitted, replan
+    """schedule_change_on_resume fits the checkpoint's schedule as the run did: resuming a 20-step run with the default
+    warmup is no change of schedule."""
+    from deepseek_zero3.recipe.schedule import fitted, schedule_change_on_resume
 
     schedule, _ = fitted(Schedule(1e-3, 30, 20, 0.1), given=False)
     state = {"step": 10, "total_steps": 20, "config": {"lr": 1e-3, "warmup_steps": 30, "min_lr_ratio": 0.1}}
-    assert replan(schedule, state, set()) is None
+    assert schedule_change_on_resume(schedule, state, set()) is None
 
 
 def test_decay_branch_decays_from_where_the_schedule_was():

@@ -20,7 +20,7 @@ from conftest import assert_same_ema, launch, train_records
 
 from deepseek_zero3.cli import UserError
 from deepseek_zero3.run_dir import checkpoint, reshard
-from deepseek_zero3.tokens.token_data import BatchPlan
+from deepseek_zero3.training_data.token_data import BatchPlan
 
 
 def digest(directory: Path) -> str:

@@ -274,8 +274,8 @@ def test_gradscaler_skip_with_fused_adamw_is_counted(fresh_accelerate_state):
     `optimizer_step_was_skipped` stays False. Skips reads the skip from the scale (halved on every overflow): counted,
     weights unchanged, and a scale below 1 stops the run. Real: torch's GradScaler (made on the CPU, where Accelerate
     makes the CUDA one on a GPU), the fused AdamW of recipe/optimizer.py, Accelerate's prepare, backward, clipping and
-    optimizer wrapper. Not real: the GPU, and a stand-in for train.py's Parts. Seen failing without the scale check:
-    step 2 was not counted."""
+    optimizer wrapper. Not real: the GPU, and a stand-in for train.py's TrainingObjects. Seen failing without the scale
+    check: step 2 was not counted."""
     from types import SimpleNamespace
 
     from accelerate import Accelerator

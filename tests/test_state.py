@@ -44,7 +44,7 @@ class Shares(Counter):
 
 
 def test_a_replicated_piece_round_trips_and_a_missing_one_restarts(tmp_path, capsys):
-    state.save(tmp_path, {"counter": Counter(7), "absent": None}, ALONE, finaliser=True)
+    state.save(tmp_path, {"counter": Counter(7), "absent": None}, ALONE, finalises_checkpoints=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state-counter.pt"]
     loaded, new = Counter(), Counter()
     state.load(tmp_path, {"counter": loaded, "new": new, "absent": None}, ALONE)
@@ -75,7 +75,7 @@ def test_a_share_copied_over_another_process_s_is_refused_and_a_dropped_piece_is
     for rank in range(2):
         share = Shares(10 + rank)
         share.sharded = True
-        state.save(tmp_path, {"shares": share}, two[rank], finaliser=rank == 0)
+        state.save(tmp_path, {"shares": share}, two[rank], finalises_checkpoints=rank == 0)
     state.load(tmp_path, {"shares": Shares()}, two[1])
     state.shard_file(tmp_path, "shares", 1).write_bytes(state.shard_file(tmp_path, "shares", 0).read_bytes())
     with pytest.raises(UserError, match=r"rank1.pt holds process 0's share of 'shares', not process 1's"):
@@ -121,9 +121,9 @@ class Seen:
 accelerator = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
 rank = accelerator.process_index
 out = Path({out!r})
-state.save(out, {{"same": Seen(1)}}, accelerator, finaliser=rank == 0)
+state.save(out, {{"same": Seen(1)}}, accelerator, finalises_checkpoints=rank == 0)
 try:
-    state.save(out, {{"data_position": Seen(rank)}}, accelerator, finaliser=rank == 0)
+    state.save(out, {{"data_position": Seen(rank)}}, accelerator, finalises_checkpoints=rank == 0)
 except UserError as e:
     print(f"rank {{rank}} of {{accelerator.num_processes}}: refused: {{e}}", flush=True)
 """

@@ -17,9 +17,9 @@ from deepseek_zero3 import cli, distributed
 from deepseek_zero3.cli import UserError
 from deepseek_zero3.model import models
 from deepseek_zero3.planning import costs, measure, model_math
-from deepseek_zero3.recipe.schedule import replan
+from deepseek_zero3.recipe.schedule import schedule_change_on_resume
 from deepseek_zero3.run_dir import checkpoint, metrics, trackers
-from deepseek_zero3.tokens import token_data
+from deepseek_zero3.training_data import token_data
 
 THREADS = torch.get_num_threads()
 
@@ -212,12 +212,18 @@ def test_resume_refuses_a_changed_training_setting(flag, value, tmp_path):
 def test_resume_may_change_what_the_messages_advise():
     """A diverged or hung run's advice (a lower LR, a longer warmup, a longer watchdog limit) is a resume that works;
     the changes are returned for metrics.jsonl, and the LR at the resume step is said."""
-    given = {"lr": 1e-3, "warmup_steps": 60, "max_grad_norm": 0.5, "step_timeout_s": 900.0, "max_skipped_steps": 5}
-    merged, _, changed = checkpoint.config_for_resume(train.Config(**given), set(given), SAVED)
-    assert changed == {k: [SAVED[k], v] for k, v in given.items()}
+    flags_given = {
+        "lr": 1e-3,
+        "warmup_steps": 60,
+        "max_grad_norm": 0.5,
+        "step_timeout_s": 900.0,
+        "max_skipped_steps": 5,
+    }
+    merged, _, changed = checkpoint.config_for_resume(train.Config(**flags_given), set(flags_given), SAVED)
+    assert changed == {k: [SAVED[k], v] for k, v in flags_given.items()}
     assert (merged.lr, merged.step_timeout_s, merged.seq_len) == (1e-3, 900.0, 128)
     state = {"step": 100, "total_steps": 300, "config": SAVED}
-    line = replan(train.schedule_for(merged, 300), state, set(given))
+    line = schedule_change_on_resume(train.schedule_for(merged, 300), state, set(flags_given))
     before, after = train.Schedule(2e-3, 30, 300, 0.1).lr(100), train.Schedule(1e-3, 60, 300, 0.1).lr(100)
     assert line == f"changed LR schedule: the LR of step 101 goes from {before:.3g} to {after:.3g}"
 
@@ -226,21 +232,21 @@ def test_resume_keeps_the_schedule_unless_replanned():
     state = {"step": 300, "total_steps": 300, "config": SAVED}
     stretched = train.schedule_for(train.Config(**{**SAVED, "max_steps": 600}), 600)
     with pytest.raises(UserError, match="--lr_decay_steps 600"):
-        replan(stretched, state, {"max_steps"})  # --max_steps alone would re-stretch the cosine
-    line = replan(stretched, state, {"max_steps", "lr_decay_steps"})
+        schedule_change_on_resume(stretched, state, {"max_steps"})  # --max_steps alone would re-stretch the cosine
+    line = schedule_change_on_resume(stretched, state, {"max_steps", "lr_decay_steps"})
     assert "300 -> 600 steps" in line and f"{train.Schedule(2e-3, 30, 600, 0.1).lr(300):.3g}" in line
     long = {"step": 50, "total_steps": 100, "config": {**SAVED, "lr_decay_steps": 1000}}
     kept = train.schedule_for(train.Config(**{**SAVED, "lr_decay_steps": 1000, "max_steps": 200}), 200)
-    assert replan(kept, long, {"max_steps"}) is None
+    assert schedule_change_on_resume(kept, long, {"max_steps"}) is None
 
 
-def test_given_fields_sees_abbreviations_and_bools():
-    assert cli.given_fields(train.Config, ["--max_steps", "5", "--gradient_checkpointing", "--lr=1e-3"]) == {
+def test_flags_given_in_sees_abbreviations_and_bools():
+    assert cli.flags_given_in(train.Config, ["--max_steps", "5", "--gradient_checkpointing", "--lr=1e-3"]) == {
         "max_steps",
         "gradient_checkpointing",
         "lr",
     }
-    assert cli.given_fields(train.Config, []) == set()
+    assert cli.flags_given_in(train.Config, []) == set()
 
 
 def test_optimizer_stays_fused_after_loading_an_older_checkpoint():

@@ -21,7 +21,7 @@ from accelerate.utils import InitProcessGroupKwargs
 from transformers import AutoConfig, AutoModelForCausalLM
 from deepseek_zero3.cli import exit_process
 from deepseek_zero3.model import lmloss
-from deepseek_zero3.tokens import token_data
+from deepseek_zero3.training_data import token_data
 
 from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as Coordinator
 

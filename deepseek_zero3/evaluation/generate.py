@@ -72,7 +72,7 @@ def check_sampling(s: Sampling) -> None:
 def read_prompt_file(path: str, flag: str = "--prompt_file ") -> list[str]:
     """The prompts of a text file: one per block of lines, blocks separated by blank lines (a prompt may span lines;
     a file of one-line prompts needs a blank line between them). Refused when missing, unreadable or empty."""
-    from deepseek_zero3.data.documents import split_blank_line_blocks
+    from deepseek_zero3.prepare.documents import split_blank_line_blocks
 
     file = Path(path).expanduser()
     try:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from deepseek_zero3 import cli
 from deepseek_zero3.model import mtp
-from deepseek_zero3.tokens import token_data
+from deepseek_zero3.training_data import token_data
 
 # Tokens per chunk of the output layer + cross-entropy (train.py's --loss_chunk_tokens default, eval.py's windows).
 # Measured in BENCHMARKS.md (loss_memory): a chunk's fp32 logits are chunk x vocab x 4 bytes (1024 x 102,400: 0.4 GB).

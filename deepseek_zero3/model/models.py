@@ -471,7 +471,7 @@ def config_differences(ours, theirs) -> str:
     return ", ".join(f"{k} {a.get(k)} -> {b.get(k)}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
 
 
-def check_model_unchanged(cfg, given: set[str], saved_config, meta: dict, say) -> None:
+def check_model_unchanged(cfg, flags_given: set[str], saved_config, meta: dict, say) -> None:
     """A resumed run's model is its checkpoint's model_config.json. The model the run was started from (--model_config,
     or --init_from's config.json) may have been edited since: given again on this command, it must still be that
     model (refused, naming the fields that differ); not given, the run goes on with the checkpoint's model and `say`
@@ -486,7 +486,7 @@ def check_model_unchanged(cfg, given: set[str], saved_config, meta: dict, say) -
     differences = config_differences(saved_config, named)
     if not differences:
         return
-    if given & {"model_config", "init_from"}:
+    if flags_given & {"model_config", "init_from"}:
         raise UserError(
             f"cannot resume: {flag} {name} builds another model than the checkpoint's model_config.json "
             f"({differences}: the checkpoint's -> this file's); drop {flag} to continue the run's model, or start a "

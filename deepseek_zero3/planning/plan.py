@@ -17,8 +17,8 @@ from deepseek_zero3.distributed import read_launch
 from deepseek_zero3.planning import breakdown, costs, measure, model_math
 from deepseek_zero3.planning.model_math import GIB
 from deepseek_zero3.recipe import optimizer, scaling
-from deepseek_zero3.tokens import mixture
-from deepseek_zero3.tokens.token_data import num_windows
+from deepseek_zero3.training_data import mixture
+from deepseek_zero3.training_data.token_data import num_windows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,9 +64,9 @@ def check_assumed_mfu(cfg, c) -> None:
 
 
 def plan_run(run, accelerator) -> RunPlan:
-    """The plan of this launch (run: train.py's Run, past its checks and its resume's): prints the batch plan and the
-    plan of memory and time, which the processes measure together (peak FLOP/s, the links, on a CPU the model's rate);
-    refuses to start when it does not fit the GPUs or the host RAM (unless --ignore_memory_plan)."""
+    """The plan of this launch (run: train.py's RunSettings, past its checks and its resume's): prints the batch plan
+    and the plan of memory and time, which the processes measure together (peak FLOP/s, the links, on a CPU the model's
+    rate); refuses to start when it does not fit the GPUs or the host RAM (unless --ignore_memory_plan)."""
     cfg, launch, batch = run.cfg, run.launch, run.batch
     check_plan_flags(cfg)
     check_assumed_mfu(cfg, run.model_config)
@@ -128,15 +128,15 @@ def source_passes(run) -> str:
     )
 
 
-def plan_on_paper(cfg, check_flags, given: set[str] = frozenset()) -> int:
-    """`train.py --plan [--compare]` (cfg: its Config, checked by its check_flags; given: the flags its command line
-    set): the plan of a config on paper, with the data's vocabulary where the data is prepared. Returns the exit
+def plan_on_paper(cfg, check_flags, flags_given: set[str] = frozenset()) -> int:
+    """`train.py --plan [--compare]` (cfg: its Config, checked by its check_flags; flags_given: the flags its command
+    line set): the plan of a config on paper, with the data's vocabulary where the data is prepared. Returns the exit
     code."""
     from pathlib import Path
 
     from deepseek_zero3 import cli
     from deepseek_zero3.model import models
-    from deepseek_zero3.tokens import token_data
+    from deepseek_zero3.training_data import token_data
 
     try:
         if cfg.from_run:
@@ -145,21 +145,22 @@ def plan_on_paper(cfg, check_flags, given: set[str] = frozenset()) -> int:
         check_flags(cfg)
         first = Path((token_data.data_dirs(cfg.data_dir) or [""])[0])  # its vocabulary size, shared by all
         meta = token_data.read_meta(first) if (first / "meta.json").is_file() else None
-        print_plan(cfg, models.load_model_config(cfg.model_config, cfg.init_from, cfg.seq_len, meta), given)
+        print_plan(cfg, models.load_model_config(cfg.model_config, cfg.init_from, cfg.seq_len, meta), flags_given)
     except (OSError, KeyError, UserError) as e:
         cli.print_error(str(e))
         return 2
     return 0
 
 
-def print_plan(cfg, model_config, given: set[str] = frozenset()) -> None:
-    """`train.py --plan [--compare]`: the plan on paper for --accelerate_config (default: the CPU config, or the
-    3-GPU ZeRO-3 config with --compare), with no process group and no GPU. given: the flags the command line set."""
+def print_plan(cfg, model_config, flags_given: set[str] = frozenset()) -> None:
+    """`train.py --plan [--compare]`: the plan on paper for --accelerate_config (default: the CPU config, or the 3-GPU
+    ZeRO-3 config with --compare), with no process group and no GPU. flags_given: the flags the command line set."""
     check_plan_flags(cfg)
     default = "accelerate_configs/zero3_3gpu.yaml" if cfg.compare else "accelerate_configs/zero3_cpu.yaml"
     path = cfg.accelerate_config or default
     launch = read_launch(path)
-    resolved = optimizer.resolve(cfg, given, None if cfg.compare else launch)  # as a run: by preset, Muon unclipped
+    # As a run resolves it: by preset, Muon unclipped.
+    resolved = optimizer.resolve(cfg, flags_given, None if cfg.compare else launch)
     if not cfg.compare:  # (--compare resolves --optimizer auto for each row's launch: costs.largest_fitting)
         cfg = resolved
         optimizer.check(cfg, launch)

@@ -78,7 +78,7 @@ def pick(cfg, launch=None):
     return dataclasses.replace(cfg, optimizer="muon" if muon else "adamw")
 
 
-def resolve(cfg, given: set[str], launch=None):
+def resolve(cfg, flags_given: set[str], launch=None):
     """pick, then: Muon runs unclipped. DeepSpeed's Muon takes the global norm after orthogonalising, over Muon's
     updates (each a matrix of singular values ~1, its norm ~ sqrt(min(rows, cols)): 33 on the tiny preset) and AdamW's
     gradients, and clips that: --max_grad_norm 1 would shrink every step ~30x. So --max_grad_norm defaults to 0 with
@@ -87,7 +87,7 @@ def resolve(cfg, given: set[str], launch=None):
     cfg = pick(cfg, launch)
     if cfg.optimizer != "muon" or cfg.max_grad_norm == 0:
         return cfg
-    if "max_grad_norm" in given:
+    if "max_grad_norm" in flags_given:
         which = f" (--optimizer auto's choice for --model_config {cfg.model_config})" if auto else ""
         raise UserError(
             f"--max_grad_norm {cfg.max_grad_norm} with --optimizer muon{which}: Muon runs unclipped (DeepSpeed's Muon "

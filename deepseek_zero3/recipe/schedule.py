@@ -126,7 +126,7 @@ def fitted(schedule: Schedule, given: bool = False) -> tuple[Schedule, str | Non
     be shortened: a warmup as long as the schedule warmed up to its end and never decayed, while describe() promised
     the decay. Such a warmup becomes a tenth of the schedule, whether --warmup_steps was given (given: for the note;
     a smoke test of a few steps keeps its command line) or its default, so that the schedule stays a pure function of
-    the run's settings: a resumed run (replan) and a decay branch fit it alike."""
+    the run's settings: a resumed run (schedule_change_on_resume) and a decay branch fit it alike."""
     if schedule.warmup_steps <= schedule.decline_start:
         return schedule, None
     warmup = min(schedule.length // 10, schedule.decline_start)
@@ -164,7 +164,7 @@ def check_schedule_flags(cfg) -> None:
         raise UserError(str(e)) from None
 
 
-def branch_settings(cfg, given: set[str], resume):
+def branch_settings(cfg, flags_given: set[str], resume):
     """--decay_branch K: the run's Config for a decay branch from the checkpoint resume names (checkpoint.Resume): it
     ends K steps after that checkpoint's step N, decaying from step N, in a new --output_dir; the schedule before N
     keeps the run's length. A branch resumed from its own checkpoints keeps the step it branched at."""
@@ -179,12 +179,14 @@ def branch_settings(cfg, given: set[str], resume):
             raise UserError(f"cannot resume: this branch decays over --decay_branch {ran.get('decay_branch')} steps; "
                             f"drop --decay_branch {cfg.decay_branch} (or branch anew from the original run's "
                             "checkpoint)")  # fmt: skip
-        if "max_steps" in given and cfg.max_steps != ran.get("max_steps"):
+        if "max_steps" in flags_given and cfg.max_steps != ran.get("max_steps"):
             raise UserError(f"cannot resume: this branch ends at step {ran.get('max_steps')}; drop --max_steps "
                             f"{cfg.max_steps} (a longer decay is a new branch from the original run)")  # fmt: skip
         return cfg
     ran = resume.state.get("config", {})
-    changed = sorted(f for f in given & {"max_steps", "num_epochs", "lr_decay_steps"} if getattr(cfg, f) != ran.get(f))
+    changed = sorted(
+        f for f in flags_given & {"max_steps", "num_epochs", "lr_decay_steps"} if getattr(cfg, f) != ran.get(f)
+    )
     if changed:  # the run's own command repeated is fine
         raise UserError("--decay_branch K sets the run's length (the checkpoint's step + K): drop "
                         + " ".join(f"--{f} {getattr(cfg, f)}" for f in changed))  # fmt: skip
@@ -215,7 +217,7 @@ def branch_settings(cfg, given: set[str], resume):
     return dataclasses.replace(cfg, decay_start_step=start, max_steps=step + cfg.decay_branch, lr_decay_steps=length)
 
 
-def replan(schedule: Schedule, state: dict, given: set[str]) -> str | None:
+def schedule_change_on_resume(schedule: Schedule, state: dict, flags_given: set[str]) -> str | None:
     """A resumed run keeps its schedule's length unless the command re-plans it with --lr_decay_steps (--max_steps
     alone would stretch the decay under the run's feet: refused). A new length, --lr, --warmup_steps, --min_lr_ratio
     or a decay branch returns the line to print, with the LR at the resume step before and after."""
@@ -231,7 +233,7 @@ def replan(schedule: Schedule, state: dict, given: set[str]) -> str | None:
     change = f"the LR of step {step + 1} goes from {saved.lr(taken):.3g} to {schedule.lr(taken):.3g}"
     if new == old:
         return f"changed LR schedule: {change}"
-    if "lr_decay_steps" not in given:
+    if "lr_decay_steps" not in flags_given:
         raise UserError(
             f"cannot resume: this command makes the LR schedule {new} steps long, the run's is {old} ({change}); "
             f"give --lr_decay_steps {new} to re-plan the schedule, or --lr_decay_steps {old} to keep it and train "

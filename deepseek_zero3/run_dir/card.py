@@ -3,8 +3,7 @@ a model-index of the validation results, read by huggingface_hub's ModelCard), f
 records of OUT/metrics.jsonl (every segment of a resumed run: the tokens are the last record's, counted from step 1),
 the run's settings and its model config. eval.py --update_card adds its own report's scores to the same card.
 
-    finish       a finished run's last work (train.py): final/ exported, its card, the loss curve, the upload
-    write_card   the card of a finished run (train.py, after the export)
+    write_card   the card of a finished run (run_dir/finish.py, after the export)
     add_eval     eval.py's report into a card (eval.py --update_card)
 """
 
@@ -129,7 +128,7 @@ training steps. `python eval.py --model path/to/final --prompt "..."` continues 
 
 
 def write_card(final: Path, run, records: list[dict]) -> Path:
-    """final/README.md for `run` (train.py's Run), atomically. records: OUT/metrics.jsonl's."""
+    """final/README.md for `run` (train.py's RunSettings), atomically. records: OUT/metrics.jsonl's."""
     from huggingface_hub import ModelCard, ModelCardData
 
     cfg, mc, launch, batch = run.cfg, run.model_config, run.launch, run.batch
@@ -355,42 +354,3 @@ def ema_card(ema_dir: Path, ema) -> Path:
             f"weights, in fp32 ({ema.updates} updates), exported in the dtype of the run's weights. Its scores were not "
             f"measured during training: `python eval.py --model {ema_dir.name} ...` measures them.\n")  # fmt: skip
     return save(ema_dir, text)
-
-
-def finish(run, parts) -> int:
-    """After the last step's checkpoint: OUT/final with its card, the loss curve, and what the finished run no longer
-    needs; --push_to_hub uploads final/ (run, parts: train.py's Run and Parts). Returns the exit code (3: the upload
-    failed, the model is on disk)."""
-    from deepseek_zero3.run_dir import checkpoint, metrics
-
-    accelerator, out = parts.accelerator, Path(run.cfg.output_dir)
-    again = run.resume is not None and run.resume.state["step"] >= run.total_steps  # a finished run launched again
-    kept = kept_card(out / "final") if again and accelerator.is_main_process else None
-    final = checkpoint.export_final(accelerator, parts.model, run.tokenizer, out)
-    if parts.ema is not None:  # --ema_decay: the moving average as a model of its own, beside final/
-        averaged = parts.ema.whole(accelerator.is_main_process)
-        ema_dir = checkpoint.export_final(accelerator, parts.model, run.tokenizer, out, "final_ema", averaged)
-        if accelerator.is_main_process:
-            ema_card(ema_dir, parts.ema)
-        accelerator.print(f"the weights' moving average (--ema_decay {parts.ema.decay:g}, {parts.ema.updates} "
-                          f"updates) in {ema_dir}: python eval.py --model {ema_dir} scores it")  # fmt: skip
-    if parts.finaliser:
-        removed = checkpoint.remove_leftovers(out / "checkpoints")
-        if removed:
-            print(f"removed from {out / 'checkpoints'}, no longer needed by the finished run: {', '.join(removed)}")
-        if aside := checkpoint.set_aside(out / "checkpoints"):
-            print(f"kept in {out / 'checkpoints'}: {', '.join(p.name for p in aside)}, the checkpoints explicit "
-                  f"--resume commands set aside; delete them once you no longer need them")  # fmt: skip
-    if accelerator.is_main_process:
-        metrics.plot_losses(out / "metrics.jsonl", out / "loss_curve.png")
-        records = metrics.read_metrics(out / "metrics.jsonl")[0]
-        save(final, kept) if kept is not None else write_card(final, run, records)
-        accelerator.print(
-            f"done: model and its card (README.md) in {final}, loss curve in {out / 'loss_curve.png'}, metrics in "
-            f"{out / 'metrics.jsonl'}"
-        )
-    pushed = ""
-    if accelerator.is_main_process and run.cfg.push_to_hub:
-        pushed = push_final(final, run.cfg.push_to_hub, run.total_steps)
-    parts.trackers.end_training()
-    return 3 if pushed is None else 0

@@ -26,7 +26,7 @@ import torch
 from deepseek_zero3.cli import UserError, check_path, fault, resume_policy, remove, replace_dir, write_atomic, write_json_atomic
 from deepseek_zero3.model import models, mtp
 from deepseek_zero3.run_dir import state as state_lib
-from deepseek_zero3.tokens import mixture
+from deepseek_zero3.training_data import mixture
 
 # What a checkpoint saved before a setting existed ran with, where that is not the setting's default now.
 BEFORE_THE_FIELD = {"document_masking": False, "lr_schedule": "cosine", "mtp_depth": 0, "optimizer": "adamw"}
@@ -124,11 +124,12 @@ def mark_train_run(out: Path) -> None:
         os.replace(tmp, out / MARKER)
 
 
-def config_for_resume(cfg, given: set[str], saved: dict):
-    """The settings of a resumed run: the checkpoint's for every field the command does not give. A command that
-    changes a "fixed" setting is refused (each Config field's resume= policy); the schedule's length is checked by schedule.replan once known.
-    Returns (the run's Config, the settings taken from the checkpoint that differ from this command's, the retunable
-    settings this command changes as {name: [the run's, this command's]})."""
+def config_for_resume(cfg, flags_given: set[str], saved: dict):
+    """The settings of a resumed run: the checkpoint's for every field the command does not give. A command that changes
+    a "fixed" setting is refused (each Config field's resume= policy); the schedule's length is checked by
+    schedule.schedule_change_on_resume once known. Returns (the run's Config, the settings taken from the checkpoint
+    that differ from this command's, the retunable settings this command changes as {name: [the run's, this
+    command's]})."""
     taken, changed = {}, {}
     saved = {**BEFORE_THE_FIELD, **saved} if saved else saved
     for f in dataclasses.fields(cfg):
@@ -136,7 +137,7 @@ def config_for_resume(cfg, given: set[str], saved: dict):
         if f.name not in saved or policy == "own":
             continue
         ours = getattr(cfg, f.name)
-        if f.name not in given or (f.name, ours) in RESOLVED_BY_THE_RUN:
+        if f.name not in flags_given or (f.name, ours) in RESOLVED_BY_THE_RUN:
             if saved[f.name] != ours:
                 taken[f.name] = saved[f.name]
         elif ours != saved[f.name] and policy == "retune":
@@ -156,10 +157,10 @@ def flag(name: str, value) -> str:
     return f"--{name} {value if value != '' else repr(value)}"
 
 
-def resume_settings(cfg, given: set[str], resume: Resume, say):
+def resume_settings(cfg, flags_given: set[str], resume: Resume, say):
     """config_for_resume for `resume`, saying what it took and what it changed: (the run's Config, the Resume with its
     changes, which metrics.jsonl records)."""
-    cfg, taken, changed = config_for_resume(cfg, given, resume.state.get("config", {}))
+    cfg, taken, changed = config_for_resume(cfg, flags_given, resume.state.get("config", {}))
     if taken:
         say(f"settings from {resume.path.name}: " + " ".join(flag(k, v) for k, v in taken.items()))
     if changed:
@@ -600,28 +601,28 @@ class Save:
     pieces: dict = dataclasses.field(default_factory=dict)
 
 
-def save_checkpoint(accelerator, save: Save, kept: tuple[Path, ...], finaliser: bool) -> Path:
-    """Every rank writes its shards into .tmp-step_N; once all have, the finaliser of each filesystem (see
-    first_process_on_disk) adds trainer_state.json, the model config and the manifest, renames it to step_N, moves
-    `latest` and prunes (never those in `kept`: Resume.kept). Raises CheckpointWriteError, with step_N
-    untouched, when the disk refuses a write."""
+def save_checkpoint(accelerator, save: Save, kept: tuple[Path, ...], finalises_checkpoints: bool) -> Path:
+    """Every rank writes its shards into .tmp-step_N; once all have, the process that finalises checkpoints on each
+    filesystem (finalises_checkpoints: first_process_on_disk) adds trainer_state.json, the model config and the
+    manifest, renames it to step_N, moves `latest` and prunes (never those in `kept`: Resume.kept). Raises
+    CheckpointWriteError, with step_N untouched, when the disk refuses a write."""
     ckpt_root, step = save.ckpt_root, save.step
     final = ckpt_root / f"step_{step}"
     tmp = ckpt_root / f".tmp-step_{step}"
     last_good = newest_intact_checkpoint(ckpt_root, lambda _: None)  # on every rank: each says the same if it fails
     try:
-        if finaliser:
+        if finalises_checkpoints:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a run that died while writing this step
             tmp.mkdir(parents=True, exist_ok=True)
         accelerator.wait_for_everyone()
         accelerator.save_state(str(tmp))
-        state_lib.save(tmp, save.pieces, accelerator, finaliser)
+        state_lib.save(tmp, save.pieces, accelerator, finalises_checkpoints)
         fault("sigkill_in_save", accelerator.process_index, step)
         fault("sigterm_in_save", accelerator.process_index, step)
         if fault("enospc_in_save", accelerator.process_index, step):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
         accelerator.wait_for_everyone()
-        if finaliser:
+        if finalises_checkpoints:
             write_json_atomic(tmp / "trainer_state.json", save.state)
             save.model_config.to_json_file(tmp / "model_config.json")
             write_manifest(tmp)
@@ -629,7 +630,8 @@ def save_checkpoint(accelerator, save: Save, kept: tuple[Path, ...], finaliser: 
             write_atomic(ckpt_root / "latest", final.name + "\n")
     except Exception as e:  # noqa: BLE001 - torch says "basic_ios::clear: iostream error", safetensors SafetensorError
         raise write_failure(tmp, e, last_good) from None
-    if finaliser:  # keep the newest keep_last intact checkpoints; damaged ones before them can never be resumed
+    # Keep the newest keep_last intact checkpoints; damaged ones before them can never be resumed.
+    if finalises_checkpoints:
         everything = step_dirs(ckpt_root)
         intact = [p for p in everything if checkpoint_problem(p) is None]
         keep = set(intact[-save.keep_last :]) | {final}
@@ -641,29 +643,29 @@ def save_checkpoint(accelerator, save: Save, kept: tuple[Path, ...], finaliser: 
     return final
 
 
-def load_checkpoint(run, parts, pieces: dict, universal: Path | None = None) -> None:
-    """Load the checkpoint run.resume names (run, parts: train.py's Run and Parts), or its universal form (reshard.py),
-    and the state it holds beside them into `pieces` (train.py's checkpoint_state; always from the checkpoint itself:
-    run_dir/state.py reshards it). Only once it has loaded does an explicit --resume from an older checkpoint move the newer ones aside, so a failed
-    load changes nothing."""
+def load_checkpoint(run, training, pieces: dict, universal: Path | None = None) -> None:
+    """Load the checkpoint run.resume names (run, training: train.py's RunSettings and TrainingObjects), or its
+    universal form (reshard.py), and the state it holds beside them into `pieces` (train.py's checkpoint_state; always
+    from the checkpoint itself: run_dir/state.py reshards it). Only once it has loaded does an explicit --resume from an
+    older checkpoint move the newer ones aside, so a failed load changes nothing."""
     path = run.resume.path
     try:
-        parts.accelerator.load_state(str(universal or path))
+        training.accelerator.load_state(str(universal or path))
         # Accelerate's micro-step count ends each step's accumulation: in this launch's (a resume may change it).
-        parts.accelerator.step = run.resume.state["step"] * run.launch.grad_accum_steps
+        training.accelerator.step = run.resume.state["step"] * run.launch.grad_accum_steps
     except Exception as e:  # noqa: BLE001 - DeepSpeed and torch raise many kinds for one damaged file
         first_line = str(e).strip().splitlines()[:1]  # a bare assert (DeepSpeed has many) has no message at all
         why = f"{type(e).__name__}: {first_line[0][:300]}" if first_line else type(e).__name__
         older = f"resume from an older checkpoint with --resume {path.parent}/step_N"
         fix = f"delete it: {path.name} is converted anew at the next start" if universal else older
         raise UserError(f"cannot load checkpoint {universal or path}: {why}; {fix}") from None
-    state_lib.load(path, pieces, parts.accelerator, parts.accelerator.print)
-    if run.resume.branching and parts.finaliser:
+    state_lib.load(path, pieces, training.accelerator, training.accelerator.print)
+    if run.resume.branching and training.finalises_checkpoints:
         # This run's own checkpoints only: another run's checkpoint, resumed into a new OUT, leaves that run as it was.
         moved = set_aside_newer(Path(run.cfg.output_dir) / "checkpoints", path, run.resume.state["step"])
         if moved is not None:
             print(moved)
-    parts.accelerator.print(
+    training.accelerator.print(
         f"resumed from {path} at step {run.resume.state['step']} ({run.resume.state['tokens_seen']:,} tokens seen)"
     )
 

@@ -27,7 +27,7 @@ from deepseek_zero3.evaluation import generate
 from deepseek_zero3.planning import model_math
 from deepseek_zero3.planning.model_math import GIB
 from deepseek_zero3.run_dir import trackers
-from deepseek_zero3.tokens import mixture
+from deepseek_zero3.training_data import mixture
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -38,7 +38,7 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 @dataclasses.dataclass
-class Interval:
+class LogWindow:
     """The steps since the last log line: how many, the summed loss terms of those not skipped (train.py's lm_loss
     `logged`, each a step's mean over its micro-batches: tensors on this process's device until the log step reduces
     them) and how many those were, and their training time (pauses for validation and checkpoints excluded)."""
@@ -75,10 +75,10 @@ def fp16_loss_scale(engine, scaler) -> float | None:
     return None
 
 
-def metrics_record(run, parts, step: int, interval: Interval, last: dict) -> dict:
-    """The metrics of a log step (run and parts: train.py's Run and Parts); `last` holds the step's lr and grad_norm.
-    Loss and memory are over all processes."""
-    accelerator = parts.accelerator
+def metrics_record(run, training, step: int, interval: LogWindow, last: dict) -> dict:
+    """The metrics of a log step (run and training: train.py's RunSettings and TrainingObjects); `last` holds the step's
+    lr and grad_norm. Loss and memory are over all processes."""
+    accelerator = training.accelerator
     terms = interval.means(accelerator)
     tokens_per_s = interval.steps * run.batch.tokens_per_step / (time.perf_counter() - interval.t0)
     mem = float(
@@ -90,17 +90,17 @@ def metrics_record(run, parts, step: int, interval: Interval, last: dict) -> dic
         **terms,  # loss, then the other terms train.py's lm_loss logs (mtp_loss_k, moe_aux_loss, yours)
         **last,
         "tokens_per_s": tokens_per_s,
-        **utilisation(tokens_per_s, parts.planned),
+        **utilisation(tokens_per_s, training.planned),
         "peak_mem_gib": mem,
         "epoch": step * run.batch.sequences_per_step / run.data.n_windows,
         "samples_seen": step * run.batch.sequences_per_step,
     }
     record.update(source_tokens(run, step))
-    record["skipped_steps"] = parts.skips.total
+    record["skipped_steps"] = training.skips.total
     if run.launch.precision == "fp16":
-        record["loss_scale"] = fp16_loss_scale(parts.engine, accelerator.scaler)
-    if parts.balancer:
-        record.update(parts.balancer.metrics(accelerator))
+        record["loss_scale"] = fp16_loss_scale(training.engine, accelerator.scaler)
+    if training.balancer:
+        record.update(training.balancer.metrics(accelerator))
     return record
 
 

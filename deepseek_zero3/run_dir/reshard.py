@@ -254,9 +254,9 @@ def restore_optimizer_groups(engine, universal: Path) -> None:
 
 
 def prepare(run, accelerator, watchdog) -> Path | None:
-    """Before the model is built (run: train.py's Run): when the checkpoint to resume was written by another number
-    of processes, its universal form (converted if need be), and the DeepSpeed config told to load that form; else
-    None."""
+    """Before the model is built (run: train.py's RunSettings): when the checkpoint to resume was written by another
+    number of processes, its universal form (converted if need be), and the DeepSpeed config told to load that form;
+    else None."""
     if run.resume is None or not needs_conversion(run.resume.state, run.launch.world_size, run.launch.zero_stage):
         return None
     ckpt, ranks = run.resume.path, saved_world_size(run.resume.state)

@@ -235,9 +235,9 @@ class Skips:
     own signal, `optimizer_step_was_skipped`, is False for an optimizer that handles the scaler itself: torch's fused
     AdamW (`_step_supports_amp_scaling`) is called on an overflow and skips inside its kernel."""
 
-    def __init__(self, parts, resumed_state: dict | None, limit: int, precision: str):
-        self.parts, self.limit, self.precision = parts, limit, precision  # parts: train.py's Parts
-        self.engine_seen = parts.engine.skipped_steps if parts.engine is not None else 0
+    def __init__(self, training, resumed_state: dict | None, limit: int, precision: str):
+        self.training, self.limit, self.precision = training, limit, precision  # training: train.py's TrainingObjects
+        self.engine_seen = training.engine.skipped_steps if training.engine is not None else 0
         self.scale_seen = self._scaler_scale()  # a resumed run's: loaded with its checkpoint before this
         # A resumed run's count: its checkpoint's (one from before trainer_state.json counted them: DeepSpeed's).
         self.total = resumed_state.get("skipped_steps", self.engine_seen) if resumed_state is not None else 0
@@ -245,12 +245,12 @@ class Skips:
 
     def _scaler_scale(self) -> float | None:
         """GradScaler's scale (without DeepSpeed, in fp16), else None."""
-        scaler = self.parts.accelerator.scaler if self.parts.engine is None else None
+        scaler = self.training.accelerator.scaler if self.training.engine is None else None
         return float(scaler.get_scale()) if scaler is not None else None
 
     def after_step(self, step: int, skipped_by_loop: bool) -> bool:
         """Whether `step` (just taken) was skipped; says so on the console."""
-        engine, accelerator = self.parts.engine, self.parts.accelerator
+        engine, accelerator = self.training.engine, self.training.accelerator
         if engine is not None:
             skipped, self.engine_seen = engine.skipped_steps > self.engine_seen, engine.skipped_steps
         else:

@@ -20,7 +20,7 @@ from pathlib import Path
 from deepseek_zero3.cli import UserError
 from deepseek_zero3.model import mtp
 from deepseek_zero3.run_dir import checkpoint
-from deepseek_zero3.tokens import token_data
+from deepseek_zero3.training_data import token_data
 
 
 @dataclasses.dataclass(frozen=True)

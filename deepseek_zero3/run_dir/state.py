@@ -44,9 +44,10 @@ def digest(state) -> bytes:
     return hashlib.sha256(buffer.getvalue()).digest()
 
 
-def save(ckpt: Path, pieces: dict, accelerator, finaliser: bool) -> None:
-    """Every process writes its sharded pieces; each filesystem's finaliser the replicated ones, once the processes
-    were found to agree on them. Collective: every process calls it, before the checkpoint is finalised."""
+def save(ckpt: Path, pieces: dict, accelerator, finalises_checkpoints: bool) -> None:
+    """Every process writes its sharded pieces; the process that finalises checkpoints on its filesystem
+    (finalises_checkpoints) the replicated ones, once the processes were found to agree on them. Collective: every
+    process calls it, before the checkpoint is finalised."""
     from accelerate.utils import gather_object
 
     rank = accelerator.process_index
@@ -64,7 +65,7 @@ def save(ckpt: Path, pieces: dict, accelerator, finaliser: bool) -> None:
                 f"with process 0's; give its object `sharded = True` (each process saves its own) or keep it equal "
                 f"on every process (train.py's checkpoint_state)"
             )
-        if finaliser:
+        if finalises_checkpoints:
             torch.save(state, replicated_file(ckpt, name))
 
 

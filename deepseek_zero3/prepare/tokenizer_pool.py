@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from deepseek_zero3.data import documents
 from deepseek_zero3.cli import UserError
+from deepseek_zero3.prepare import documents
 
 PIECE_CHARS = 1 << 16  # a longer document goes to the tokenizer in pieces of about this many characters
 

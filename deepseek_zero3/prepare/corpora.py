@@ -23,9 +23,9 @@ import sysconfig
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path, PurePosixPath
 
-from deepseek_zero3.data import documents
 from deepseek_zero3.cli import UserError, shown
-from deepseek_zero3.data.documents import DATA_SUFFIXES, TEXT_SUFFIXES, SourceStats
+from deepseek_zero3.prepare import documents
+from deepseek_zero3.prepare.documents import DATA_SUFFIXES, TEXT_SUFFIXES, SourceStats
 
 VALIDATION_FRACTION = 0.02  # prepare_data.py's default share of held-out documents
 SPLITS = ("train", "validation", "test")

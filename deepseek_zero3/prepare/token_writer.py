@@ -22,11 +22,9 @@ from pathlib import Path
 import numpy as np
 
 from deepseek_zero3 import cli
-from deepseek_zero3.data import corpora
-from deepseek_zero3.data import documents
-from deepseek_zero3.tokens import token_data
 from deepseek_zero3.cli import UserError, write_json_atomic
-from deepseek_zero3.data.tokenizer_pool import (
+from deepseek_zero3.prepare import corpora, documents
+from deepseek_zero3.prepare.tokenizer_pool import (
     PIECE_CHARS,
     PIECE_CUT,
     Task,
@@ -36,6 +34,7 @@ from deepseek_zero3.data.tokenizer_pool import (
     in_order,
     init_tokenizer_worker,
 )
+from deepseek_zero3.training_data import token_data
 
 BATCH_DOCS, BATCH_CHARS = 1000, 1 << 20  # one tokenizer task: up to 1000 documents or ~1 MB of text
 WHOLE_NOTE_CHARS = 1 << 23  # a document this long tokenized whole (its tokenizer cannot be cut) gets a note

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from deepseek_zero3.cli import UserError
-from deepseek_zero3.tokens import mixture
+from deepseek_zero3.training_data import mixture
 
 FORMAT_VERSION = 1
 

@@ -1,1 +1,0 @@
-"""Data in: what prepare_data.py reads (documents, corpora), the tokenizer processes and the token writer."""

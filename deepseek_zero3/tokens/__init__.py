@@ -1,1 +1,0 @@
-"""Tokens out: the token files' format (meta.json, dtype, checked reader), the sample order and the batch plan."""
