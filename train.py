@@ -218,7 +218,7 @@ def lm_loss(model, batch: tuple[torch.Tensor, ...], cfg: Config, mtp_scale=None,
     loss, and what validation measures. DeepSeek-V3's MTP depths add mtp_loss_weight / D x their losses (`mtp_loss_k`:
     the mean over its scored targets, or in training its summed NLL x mtp_scale, mtp.step_scale's share of the global
     batch's mean), a MoE model its balance loss (`moe_aux_loss`). A term you add here is backpropagated; put it in
-    `logged` too and every log line has its mean over the interval under that name. A z-loss (PaLM's), for one:
+    `logged` too and every log line has its mean over the log window under that name. A z-loss (PaLM's), for one:
         z_loss = (z[0] / n[0]).float()  # the mean squared log-normaliser of the scored tokens
         objective, logged["z_loss"] = objective + 1e-4 * z_loss, z_loss"""
     inputs, targets, positions = batch
@@ -539,9 +539,9 @@ def setup(cfg: Config, flags_given: set[str]) -> tuple[RunSettings, TrainingObje
     run = check(cfg, flags_given, accelerator)
     if run.cfg.step_timeout_s != cfg.step_timeout_s:  # a resumed run's own limit, or the one this resume changed
         watchdog.set_timeout(run.cfg.step_timeout_s)
-    replanned = check_resume(run, flags_given) if run.resume is not None else None
-    if replanned:
-        accelerator.print(replanned)
+    schedule_change = check_resume(run, flags_given) if run.resume is not None else None
+    if schedule_change:
+        accelerator.print(schedule_change)
     cfg = run.cfg
     accelerator.gradient_accumulation_steps = run.launch.grad_accum_steps  # a DeepSpeed JSON may be what sets it
     planned = plan.plan_run(run, accelerator)
@@ -618,7 +618,7 @@ def train(cfg: Config, flags_given: set[str]) -> int:
     if step == 0 and cfg.eval_at_start:
         watchdog.beat(0, "validation")
         validate_at(0)
-    interval, skips = metrics.LogWindow(), training.skips
+    log_window, skips = metrics.LogWindow(), training.skips
     # What --plan --from_run OUT compares; written once the run has started (a failed resume: none).
     if training.finalises_checkpoints:
         cli.write_json_atomic(out / "plan.json", training.planned.record)
@@ -648,15 +648,15 @@ def train(cfg: Config, flags_given: set[str]) -> int:
         step += 1
         stop_requested = resilience.stop_vote(accelerator, stop_signals, step)  # every process stops after this step
         profiler.step(last=stop_requested or step == run.total_steps)
-        interval.add(logged, skipped)  # the loss logged is the mean over the steps taken
+        log_window.add(logged, skipped)  # the loss logged is the mean over the steps taken
         bar.update(1)
 
         if step % cfg.log_every == 0 or step == run.total_steps or stop_requested:
             grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
-            record = metrics.metrics_record(run, training, step, interval, {"lr": lr, "grad_norm": grad_norm})
+            record = metrics.metrics_record(run, training, step, log_window, {"lr": lr, "grad_norm": grad_norm})
             bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{lr:.2e}")
             log(record, metrics.console_line(record, run.total_steps))
-            interval = metrics.LogWindow()
+            log_window = metrics.LogWindow()
         pause_t0 = time.perf_counter()
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == run.total_steps:
             watchdog.beat(step, "validation")
@@ -679,7 +679,7 @@ def train(cfg: Config, flags_given: set[str]) -> int:
             accelerator.print(f"saved {saved}")
             # A signal that came while the checkpoint was written stops the run now, not one step and checkpoint later.
             stop_requested = resilience.any_process(accelerator, stop_requested or bool(stop_signals.received))
-        interval.t0 += time.perf_counter() - pause_t0  # throughput counts training time only
+        log_window.t0 += time.perf_counter() - pause_t0  # throughput counts training time only
         watchdog.beat(step)
         if stop_requested and step < run.total_steps:
             bar.close()

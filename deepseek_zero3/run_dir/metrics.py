@@ -75,12 +75,12 @@ def fp16_loss_scale(engine, scaler) -> float | None:
     return None
 
 
-def metrics_record(run, training, step: int, interval: LogWindow, last: dict) -> dict:
+def metrics_record(run, training, step: int, log_window: LogWindow, last: dict) -> dict:
     """The metrics of a log step (run and training: train.py's RunSettings and TrainingObjects); `last` holds the step's
     lr and grad_norm. Loss and memory are over all processes."""
     accelerator = training.accelerator
-    terms = interval.means(accelerator)
-    tokens_per_s = interval.steps * run.batch.tokens_per_step / (time.perf_counter() - interval.t0)
+    terms = log_window.means(accelerator)
+    tokens_per_s = log_window.steps * run.batch.tokens_per_step / (time.perf_counter() - log_window.t0)
     mem = float(
         accelerator.gather(torch.tensor([peak_memory_gib(accelerator.device)], device=accelerator.device)).max()
     )
