@@ -110,7 +110,7 @@ import sys; sys.path.insert(0, {repo!r})
 from pathlib import Path
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
-from deepseek_zero3.cli import UserError
+from deepseek_zero3.cli import UserError, exit_process
 from deepseek_zero3.run_dir import state
 
 class Seen:
@@ -126,6 +126,7 @@ try:
     state.save(out, {{"data_position": Seen(rank)}}, accelerator, finalises_checkpoints=rank == 0)
 except UserError as e:
     print(f"rank {{rank}} of {{accelerator.num_processes}}: refused: {{e}}", flush=True)
+exit_process(0)  # as train.py ends: a gloo thread can abort Python's teardown (-6; seen here once in CI's suite)
 """
 
 

@@ -1,9 +1,15 @@
 """make test-fast's guard (conftest.refuse_launch_in_fast_tier): under TEST_TIER=fast, a multi-process launch from a
 test not marked `launch` fails that test, however the command is spelled (every child process goes through the guard:
-conftest wraps subprocess.Popen in that tier). Seen failing with the guard reading only the first word."""
+conftest wraps subprocess.Popen in that tier). Seen failing with the guard reading only the first word. And the
+script server (script_server.py) every tier runs the scripts' single-process runs from: what a run gives back is what
+`python script.py` in a subprocess gives."""
+
+import os
+import subprocess
+import sys
 
 import pytest
-from conftest import refuse_launch_in_fast_tier
+from conftest import REPO, SCRIPTS, refuse_launch_in_fast_tier
 
 LAUNCHES = [
     ["accelerate", "launch", "--num_processes", "3", "train.py"],
@@ -32,3 +38,47 @@ def test_a_launch_in_the_fast_tier_fails_its_test(args, monkeypatch):
 def test_one_process_is_not_a_launch(args, monkeypatch):
     monkeypatch.setenv("TEST_TIER", "fast")
     refuse_launch_in_fast_tier(args)
+
+
+def both(args, tmp_path, **env):
+    """The run of `args` forked by the script server, and as a plain subprocess (what TEST_FORK_SCRIPTS=0 runs)."""
+    full = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **env}
+    assert SCRIPTS.takes(args, full, {})
+    forked = SCRIPTS.run(args, full, REPO, timeout=300)
+    plain = subprocess.run(args, cwd=REPO, env=full, capture_output=True, text=True, timeout=300)
+    return forked, plain
+
+
+@pytest.mark.slow
+def test_a_forked_script_run_gives_what_a_subprocess_gives(tmp_path):
+    """A refusal (exit 2, its one line), a run that writes files and prints (exit 0), the same bytes on stdout and
+    stderr; a crash's traceback and exit code 1; a signal's negative code; a timeout raised as subprocess.run raises
+    it, the run killed. Seen failing with PYTEST_CURRENT_TEST (pytest's, set for each test) left out of RUNTIME_ENV,
+    which sent every run to a subprocess, and with the server answering 0 for every exit code."""
+    refused, plain = both([sys.executable, "train.py", "--max_steps", "-1"], tmp_path)
+    assert (refused.returncode, refused.stdout, refused.stderr) == (plain.returncode, plain.stdout, plain.stderr)
+    assert refused.returncode == 2 and refused.stderr.startswith("error: --max_steps"), refused.stderr
+    out = {}
+    for name in ("forked", "plain"):
+        args = [sys.executable, "prepare_data.py", "--dataset", "python-docs", "--tokenizer", "bpe:300",
+                "--num_proc", "1", "--output_dir", tmp_path / name]  # fmt: skip
+        out[name] = (SCRIPTS.run(args, {**os.environ, "TOKENIZERS_PARALLELISM": "false"}, REPO, 300) if name == "forked"
+                     else subprocess.run(args, cwd=REPO, capture_output=True, text=True))  # fmt: skip
+        assert out[name].returncode == 0, out[name].stderr
+    assert (tmp_path / "forked" / "train.bin").read_bytes() == (tmp_path / "plain" / "train.bin").read_bytes()
+    first = lambda p: p.stdout.splitlines()[0]  # noqa: E731 (the last line names its own directory and seconds)
+    assert first(out["forked"]) == first(out["plain"]), (out["forked"].stdout, out["plain"].stdout)
+    # A crash: Python's own traceback and 1 (TRAIN_TEST_FAULT may differ from the server's: read when the code runs).
+    crashed, plain = both([sys.executable, "eval.py", "--model", tmp_path / "none", "--dataset", tmp_path / "forked",
+                           "--split", "validation"], tmp_path, TRAIN_TEST_FAULT="")  # fmt: skip
+    assert crashed.returncode == plain.returncode != 0 and crashed.stderr == plain.stderr, (crashed, plain)
+    # Killed by a signal: its negative number, what the run printed before it.
+    train = [sys.executable, "train.py", "--model_config", "tiny", "--seq_len", "32", "--max_steps", "3",
+             "--eval_every", "0", "--sample_tokens", "0", "--log_every", "1", "--data_dir", tmp_path / "forked"]  # fmt: skip
+    killed = SCRIPTS.run([*train, "--output_dir", tmp_path / "k1"], {**os.environ, "TRAIN_TEST_FAULT": "sigkill_rank:0:2"},
+                         REPO, 300)  # fmt: skip
+    assert killed.returncode == -9 and "step 1/3" in killed.stdout and "step 3/3" not in killed.stdout, killed
+    with pytest.raises(subprocess.TimeoutExpired):
+        SCRIPTS.run([sys.executable, "train.py", "--plan", "--model_config", "small", "--data_dir", "none"],
+                    dict(os.environ), REPO, timeout=0.5)  # fmt: skip
+    assert SCRIPTS.run([sys.executable, "train.py", "--help"], dict(os.environ), REPO, 60).returncode == 0  # still serves

@@ -273,16 +273,22 @@ def process_rss_gib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / GIB
 
 
+# The smallest buffer measure_links times a collective on (float32 elements: 256 kB).
+LINK_MIN_NUMEL = 2**16
 # Passes of each timed link operation, the first a warm-up; the plan takes the median of the rest: a run's collectives
 # meet the machine's typical load, not its quietest moment.
 LINK_PASSES = 6
 
 
-def measure_links(accelerator) -> dict:
+def measure_links(accelerator, model_numel: int | None = None) -> dict:
     """What moving bytes costs this run, measured in a second or two on the real process group and device: the bus
     bandwidth (GB/s) of each collective ZeRO and DDP use (all-reduce, all-gather, reduce-scatter; none for one
     process) and the device's copy rate (GB/s read + written), after checking that what every process sends arrives
-    unchanged.
+    unchanged. The collectives move a buffer of the model's `model_numel` parameters (no message of the run is
+    larger: ZeRO gathers a layer, reduces a bucket, DDP a bucket of the gradients), at least LINK_MIN_NUMEL and at most
+    16 MB (64 MB on a GPU), where bus bandwidth has reached its plateau; the copies 4x that. A small model's messages
+    meet the link's latency more than its bandwidth, and so does the rate measured for it; the tiny test models'
+    launches spent ~3 s of the second or two on 16 MB buffers (2-core EPYC, 3 gloo processes).
 
     The check: an all-gather of rank-stamped integers, compared on every rank. On some RTX 40-series drivers NCCL's
     P2P copies between cards return wrong data without an error; training would then go on with corrupted gradients.
@@ -291,6 +297,7 @@ def measure_links(accelerator) -> dict:
     all-reduce)."""
     n, device = accelerator.num_processes, accelerator.device
     numel = (64 if device.type == "cuda" else 16) * 2**20 // 4  # the collectives' buffer; the copy's is 4x that
+    numel = min(numel, max(LINK_MIN_NUMEL, model_numel or numel))
 
     def typical_s(op) -> float:
         times = []

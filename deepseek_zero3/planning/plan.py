@@ -88,7 +88,7 @@ def plan_run(run, accelerator) -> RunPlan:
     deepseek = scaling.deepseek_lines(run.model_config, cfg.seq_len, cfg.lr, batch.tokens_per_step, run.total_steps)
     accelerator.print("\n".join(deepseek))
     peak_flops, peak_source = measure.measure_peak_flops(accelerator, launch)
-    links = measure.measure_links(accelerator)
+    links = measure.measure_links(accelerator, model_math.param_counts(run.model_config)["total"])
     device_gib = torch.cuda.get_device_properties(accelerator.device).total_memory / GIB if launch.gpu else 0.0
     base = measure.process_rss_gib() * GIB  # before the timing below, whose copies' memory the process may keep
     rate = None if launch.gpu else measure.live_cpu_rate(accelerator, cfg, run.model_config, launch)

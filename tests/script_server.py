@@ -1,0 +1,148 @@
+"""A pytest worker's server of script runs: `python train.py ...` in a real process of its own, forked from one that
+has already imported what the scripts import, so that a run skips the interpreter's 3-4 s of imports (torch,
+transformers, accelerate, DeepSpeed; ~14 s under the other worker's load). conftest.run sends it the single-process
+runs of train.py, eval.py and prepare_data.py; every other command, and any run whose environment differs in a
+variable a module may read at import (HF_HUB_OFFLINE, OMP_NUM_THREADS, ...), starts as a plain subprocess.
+TEST_FORK_SCRIPTS=0 starts every run as a plain subprocess (docs/testing.md).
+
+What the forked run shares with `python script.py`: its own process and pid, the script executed as __main__ from its
+file (runpy), sys.argv, the working directory, the environment, stdin from /dev/null, stdout and stderr to files, the
+exit code (sys.exit, an uncaught exception's 1 with its traceback, a signal's negative code), atexit handlers, and
+multiprocessing's spawn (which starts fresh interpreters from the script's path). What differs: the modules were
+imported before the run's own environment was set (hence the rule above); what a library prints or warns once at
+import went to the server's stderr, not the run's (a test of that output runs the script with subprocess.run itself);
+the process's resident memory holds the server's modules too; Python's start-up is not repeated.
+
+Run as `python tests/script_server.py`: it reads one JSON request per line on stdin and answers two lines on stdout,
+the run's pid and then its exit code."""
+
+import json
+import os
+import runpy
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+# The environment variables a forked run may set to other values than the server started with: each is read when the
+# code runs, not when a module is imported (conftest.run's own two, pytest's name of the test it runs, and the fault
+# switches: cli.fault, tokenizer_pool).
+RUNTIME_ENV = {"PYTHONUNBUFFERED", "TOKENIZERS_PARALLELISM", "PYTEST_CURRENT_TEST", "TRAIN_TEST_FAULT",
+               "TOKENIZER_TEST_FAULT"}  # fmt: skip
+SCRIPTS = ("train.py", "eval.py", "prepare_data.py")
+
+
+def preload(repo: str) -> None:
+    """Import what the scripts import at their start and later (their model classes, the launcher's libraries),
+    without running anything: no thread may be alive when the server forks."""
+    sys.path.insert(0, repo)
+    import importlib
+
+    for name in ("train", "eval", "prepare_data", "accelerate", "deepspeed", "transformers.models.llama.modeling_llama",
+                 "transformers.models.deepseek_v3.modeling_deepseek_v3", "transformers.models.gpt2.modeling_gpt2",
+                 "matplotlib.pyplot"):  # fmt: skip
+        try:
+            importlib.import_module(name)
+        except ImportError:  # a library this checkout does not need: the run imports (or lacks) it itself
+            pass
+    sys.path.remove(repo)
+    assert threading.active_count() == 1, "a module started a thread at import: forking would copy its locks"
+
+
+def serve() -> None:
+    requests = os.fdopen(os.dup(0), "r")
+    answers = os.dup(1)
+    for line in requests:
+        req = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            requests.close()
+            os.close(answers)
+            run_child(req)  # returns only by raising SystemExit or the script's exception: the interpreter's exit
+        os.write(answers, f"{pid}\n".encode())
+        _, status = os.waitpid(pid, 0)
+        os.write(answers, f"{os.waitstatus_to_exitcode(status)}\n".encode())
+
+
+def run_child(req: dict) -> None:
+    os.chdir(req["cwd"])
+    os.environ.clear()
+    os.environ.update(req["env"])
+    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+                            (2, req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):  # fmt: skip
+        opened = os.open(path, flags, 0o644)
+        os.dup2(opened, fd)
+        os.close(opened)
+    script = req["script"]
+    sys.argv = [script, *req["args"]]  # as given; __file__ and sys.path[0] absolute, as Python sets them
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    runpy.run_path(os.path.abspath(script), run_name="__main__")
+    sys.exit(0)
+
+
+class Client:
+    """The pytest worker's end: started at its first run, one run at a time (a worker runs one test at a time)."""
+
+    def __init__(self, repo) -> None:
+        # The environment the server imports under: the worker's at its start (a test's monkeypatch comes later).
+        self.repo, self.proc, self.env, self.pending = str(repo), None, dict(os.environ), b""
+        self.files = Path(tempfile.mkdtemp(prefix="script-server-"))
+
+    def takes(self, args, env: dict, kw: dict) -> bool:
+        """Whether a run of `args` under `env` may be forked: `python <script>` of the three, nothing but cwd among
+        subprocess.run's other arguments, and the server's environment but for RUNTIME_ENV."""
+        if os.environ.get("TEST_FORK_SCRIPTS", "1") == "0" or kw or len(args) < 2 or args[0] != sys.executable:
+            return False
+        if str(args[1]) not in SCRIPTS:
+            return False
+        keys = (set(env) | set(self.env)) - RUNTIME_ENV
+        return all(env.get(k) == self.env.get(k) for k in keys)
+
+    def answer(self, timeout: float | None) -> int | None:
+        """The server's next line as a number; None when `timeout` seconds pass first."""
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.pending:
+            if not select.select([fd], [], [], timeout)[0]:
+                return None
+            chunk = os.read(fd, 64)
+            if not chunk:
+                raise RuntimeError(f"the script server ended (exit code {self.proc.wait()})")
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return int(line)
+
+    def run(self, args, env: dict, cwd, timeout: float) -> subprocess.CompletedProcess:
+        if self.proc is None or self.proc.poll() is not None:
+            self.pending = b""
+            self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         cwd=self.repo, env={**self.env, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+        stdout, stderr = self.files / "stdout", self.files / "stderr"
+        req = {"script": str(args[1]), "args": [str(a) for a in args[2:]], "env": env, "cwd": str(cwd),
+               "stdout": str(stdout), "stderr": str(stderr)}  # fmt: skip
+        self.proc.stdin.write((json.dumps(req) + "\n").encode())
+        self.proc.stdin.flush()
+        pid = self.answer(None)
+        code = self.answer(timeout)
+        if code is None:
+            os.kill(pid, signal.SIGKILL)
+            self.answer(None)
+        read = [p.read_text() for p in (stdout, stderr)]  # decoded as subprocess.run(text=True) would
+        if code is None:
+            raise subprocess.TimeoutExpired(list(map(str, args)), timeout, output=read[0], stderr=read[1])
+        return subprocess.CompletedProcess(list(map(str, args)), code, *read)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+        shutil.rmtree(self.files, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    preload(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.stdout.flush()
+    serve()
