@@ -294,9 +294,9 @@ def model_nll(
     the hidden states it received, and the output layer returns [main, depth 1, .., depth D] summed NLLs: one output,
     so ZeRO-3 gathers its weight before any of their backward passes. The sum and count are then such vectors.
     """
-    from accelerate.utils import extract_model_from_parallel
+    from deepseek_zero3.model.weights import core_model
 
-    core = extract_model_from_parallel(model)
+    core = core_model(model)
     head = core.get_output_embeddings() if chunk_tokens or mtp_depths else None
     if isinstance(head, torch.nn.Linear) and head.bias is None and _plain.get(core, True):
         flat_targets = targets.reshape(-1)

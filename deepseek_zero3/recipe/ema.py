@@ -64,16 +64,14 @@ class EMA:
     def whole(self, main_process: bool) -> dict[str, torch.Tensor]:
         """Every parameter's average, whole, on the CPU, in the model's parameter names, on the main process ({} on the
         others). Collective under ZeRO-3: every process calls it; one parameter is gathered at a time."""
-        from accelerate.utils import extract_model_from_parallel
-
         shapes = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in
-                  extract_model_from_parallel(self.model).named_parameters()}  # fmt: skip
+                  weights.core_model(self.model).named_parameters()}  # fmt: skip
         whole = {}
         for name, average in self.average.items():
             tensor = weights.gather_whole(average, self.numel[name], shapes[name], self.sharded)
             if main_process:
                 whole[name] = tensor.cpu()
-        core = extract_model_from_parallel(self.model)
+        core = weights.core_model(self.model)
         first = {id(p): n for n, p in reversed(list(core.named_parameters(remove_duplicate=False)))}
         for name, p in core.named_parameters(remove_duplicate=False):  # a tied weight under each of its names
             if main_process and name not in whole and first[id(p)] in whole:
