@@ -1,8 +1,8 @@
 """A pytest worker's server of script runs: `python train.py ...` in a real process of its own, forked from one that
 has already imported what the scripts import, so that a run skips the interpreter's 3-4 s of imports (torch,
 transformers, accelerate, DeepSpeed; ~14 s under the other worker's load). conftest.run sends it the single-process
-runs of train.py, eval.py and prepare_data.py; every other command, and any run whose environment differs in a
-variable a module may read at import (HF_HUB_OFFLINE, OMP_NUM_THREADS, ...), starts as a plain subprocess.
+runs of train.py, eval.py and prepare_data.py; every other command, and any run to which its test gives a variable a
+module may read at import (HF_HUB_OFFLINE, OMP_NUM_THREADS, ...), starts as a plain subprocess.
 TEST_FORK_SCRIPTS=0 starts every run as a plain subprocess (docs/testing.md).
 
 What the forked run shares with `python script.py`: its own process and pid, the script executed as __main__ from its
@@ -88,19 +88,16 @@ class Client:
     """The pytest worker's end: started at its first run, one run at a time (a worker runs one test at a time)."""
 
     def __init__(self, repo) -> None:
-        # The environment the server imports under: the worker's at its start (a test's monkeypatch comes later).
-        self.repo, self.proc, self.env, self.pending = str(repo), None, dict(os.environ), b""
+        self.repo, self.proc, self.base, self.pending = str(repo), None, None, b""
         self.files = Path(tempfile.mkdtemp(prefix="script-server-"))
 
     def takes(self, args, env: dict, kw: dict) -> bool:
-        """Whether a run of `args` under `env` may be forked: `python <script>` of the three, nothing but cwd among
-        subprocess.run's other arguments, and the server's environment but for RUNTIME_ENV."""
+        """Whether a run of `args` may be forked: `python <script>` of the three, nothing but cwd among subprocess.run's
+        other arguments, and in `env` (what the test sets on top of the worker's environment) only RUNTIME_ENV or a
+        value the worker's environment has already."""
         if os.environ.get("TEST_FORK_SCRIPTS", "1") == "0" or kw or len(args) < 2 or args[0] != sys.executable:
             return False
-        if str(args[1]) not in SCRIPTS:
-            return False
-        keys = (set(env) | set(self.env)) - RUNTIME_ENV
-        return all(env.get(k) == self.env.get(k) for k in keys)
+        return str(args[1]) in SCRIPTS and all(k in RUNTIME_ENV or os.environ.get(k) == v for k, v in env.items())
 
     def answer(self, timeout: float | None) -> int | None:
         """The server's next line as a number; None when `timeout` seconds pass first."""
@@ -116,10 +113,16 @@ class Client:
         return int(line)
 
     def run(self, args, env: dict, cwd, timeout: float) -> subprocess.CompletedProcess:
-        if self.proc is None or self.proc.poll() is not None:
-            self.pending = b""
+        """The run of `args` under the whole environment `env`, as subprocess.run(capture_output=True, text=True)."""
+        # The server imports under the worker's environment as it is now: libraries the tests ran in-process add to it
+        # (torch: TORCHINDUCTOR_CACHE_DIR, PYTORCH_NVML_BASED_CUDA_CHECK) and a test's monkeypatch changes it; a
+        # subprocess would inherit the same, so a server started under another is replaced.
+        base = {k: v for k, v in os.environ.items() if k not in RUNTIME_ENV}
+        if self.proc is None or self.proc.poll() is not None or base != self.base:
+            self.stop()
+            self.base, self.pending = base, b""
             self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         cwd=self.repo, env={**self.env, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+                                         cwd=self.repo, env={**base, "PYTHONUNBUFFERED": "1"})  # fmt: skip
         stdout, stderr = self.files / "stdout", self.files / "stderr"
         req = {"script": str(args[1]), "args": [str(a) for a in args[2:]], "env": env, "cwd": str(cwd),
                "stdout": str(stdout), "stderr": str(stderr)}  # fmt: skip
@@ -135,10 +138,13 @@ class Client:
             raise subprocess.TimeoutExpired(list(map(str, args)), timeout, output=read[0], stderr=read[1])
         return subprocess.CompletedProcess(list(map(str, args)), code, *read)
 
-    def close(self) -> None:
+    def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.stdin.close()
+            self.proc.stdin.close()  # the server ends at the end of its requests
             self.proc.wait(timeout=60)
+
+    def close(self) -> None:
+        self.stop()
         shutil.rmtree(self.files, ignore_errors=True)
 
 

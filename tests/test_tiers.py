@@ -43,7 +43,7 @@ def test_one_process_is_not_a_launch(args, monkeypatch):
 def both(args, tmp_path, **env):
     """The run of `args` forked by the script server, and as a plain subprocess (what TEST_FORK_SCRIPTS=0 runs)."""
     full = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **env}
-    assert SCRIPTS.takes(args, full, {})
+    assert SCRIPTS.takes(args, env, {}) and not SCRIPTS.takes(args, {**env, "HF_HUB_OFFLINE": "x"}, {})
     forked = SCRIPTS.run(args, full, REPO, timeout=300)
     plain = subprocess.run(args, cwd=REPO, env=full, capture_output=True, text=True, timeout=300)
     return forked, plain
@@ -53,8 +53,9 @@ def both(args, tmp_path, **env):
 def test_a_forked_script_run_gives_what_a_subprocess_gives(tmp_path):
     """A refusal (exit 2, its one line), a run that writes files and prints (exit 0), the same bytes on stdout and
     stderr; a crash's traceback and exit code 1; a signal's negative code; a timeout raised as subprocess.run raises
-    it, the run killed. Seen failing with PYTEST_CURRENT_TEST (pytest's, set for each test) left out of RUNTIME_ENV,
-    which sent every run to a subprocess, and with the server answering 0 for every exit code."""
+    it, the run killed; a server started under another environment than the worker's now is replaced. Seen failing
+    with the server answering 0 for every exit code, and in CI's suite with the worker's environment grown by in-process
+    tests (torch's TORCHINDUCTOR_CACHE_DIR), which sent every later run to a subprocess."""
     refused, plain = both([sys.executable, "train.py", "--max_steps", "-1"], tmp_path)
     assert (refused.returncode, refused.stdout, refused.stderr) == (plain.returncode, plain.stdout, plain.stderr)
     assert refused.returncode == 2 and refused.stderr.startswith("error: --max_steps"), refused.stderr
@@ -82,3 +83,10 @@ def test_a_forked_script_run_gives_what_a_subprocess_gives(tmp_path):
         SCRIPTS.run([sys.executable, "train.py", "--plan", "--model_config", "small", "--data_dir", "none"],
                     dict(os.environ), REPO, timeout=0.5)  # fmt: skip
     assert SCRIPTS.run([sys.executable, "train.py", "--help"], dict(os.environ), REPO, 60).returncode == 0  # still serves
+    server = SCRIPTS.proc.pid
+    os.environ["SCRIPT_SERVER_TEST_DRIFT"] = "1"  # as torch adds to the worker's environment when a test runs it
+    try:
+        assert SCRIPTS.run([sys.executable, "train.py", "--help"], dict(os.environ), REPO, 60).returncode == 0
+        assert SCRIPTS.proc.pid != server and SCRIPTS.base["SCRIPT_SERVER_TEST_DRIFT"] == "1"
+    finally:
+        del os.environ["SCRIPT_SERVER_TEST_DRIFT"]
