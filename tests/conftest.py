@@ -135,8 +135,9 @@ def run(args, check=True, env=None, timeout=600, cwd=REPO, **kw):
     """Run a command from the repository root, as a user would; returns the CompletedProcess (text). A single-process
     run of train.py, eval.py or prepare_data.py is forked from the worker's script server (script_server.py). (Under
     make test-fast, a launch is refused by the guard on subprocess.Popen.)"""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    if SCRIPTS.takes(args, {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}, kw):  # `python train.py ...` forked from a process that has its imports
+    given = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    full_env = {**os.environ, **given}
+    if SCRIPTS.takes(args, given, kw):  # `python train.py ...`: forked from a process that has its imports
         proc = SCRIPTS.run(args, full_env, cwd, timeout)
     else:
         proc = subprocess.run(args, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout, **kw)

@@ -75,14 +75,14 @@ def test_a_forked_script_run_gives_what_a_subprocess_gives(tmp_path):
     assert crashed.returncode == plain.returncode != 0 and crashed.stderr == plain.stderr, (crashed, plain)
     # Killed by a signal: its negative number, what the run printed before it.
     train = [sys.executable, "train.py", "--model_config", "tiny", "--seq_len", "32", "--max_steps", "3",
-             "--eval_every", "0", "--sample_tokens", "0", "--log_every", "1", "--data_dir", tmp_path / "forked"]  # fmt: skip
-    killed = SCRIPTS.run([*train, "--output_dir", tmp_path / "k1"], {**os.environ, "TRAIN_TEST_FAULT": "sigkill_rank:0:2"},
-                         REPO, 300)  # fmt: skip
+             "--eval_every", "0", "--sample_tokens", "0", "--log_every", "1", "--data_dir", tmp_path / "forked",
+             "--output_dir", tmp_path / "killed"]  # fmt: skip
+    killed = SCRIPTS.run(train, {**os.environ, "TRAIN_TEST_FAULT": "sigkill_rank:0:2"}, REPO, 300)
     assert killed.returncode == -9 and "step 1/3" in killed.stdout and "step 3/3" not in killed.stdout, killed
     with pytest.raises(subprocess.TimeoutExpired):
         SCRIPTS.run([sys.executable, "train.py", "--plan", "--model_config", "small", "--data_dir", "none"],
                     dict(os.environ), REPO, timeout=0.5)  # fmt: skip
-    assert SCRIPTS.run([sys.executable, "train.py", "--help"], dict(os.environ), REPO, 60).returncode == 0  # still serves
+    assert SCRIPTS.run([sys.executable, "train.py", "--help"], dict(os.environ), REPO, 60).returncode == 0  # serves on
     server = SCRIPTS.proc.pid
     os.environ["SCRIPT_SERVER_TEST_DRIFT"] = "1"  # as torch adds to the worker's environment when a test runs it
     try:
