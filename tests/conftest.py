@@ -137,9 +137,9 @@ def run(args, check=True, env=None, timeout=600, cwd=REPO, **kw):
     make test-fast, a launch is refused by the guard on subprocess.Popen.)"""
     given = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     full_env = {**os.environ, **given}
-    if SCRIPTS.takes(args, given, kw):  # `python train.py ...`: forked from a process that has its imports
-        proc = SCRIPTS.run(args, full_env, cwd, timeout)
-    else:
+    # `python train.py ...`: forked from a process that has its imports (None: not one it takes, or it is busy)
+    proc = SCRIPTS.run(args, full_env, cwd, timeout) if SCRIPTS.takes(args, given, kw) else None
+    if proc is None:
         proc = subprocess.run(args, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout, **kw)
     if check and proc.returncode != 0:
         raise AssertionError(

@@ -89,6 +89,7 @@ class Client:
 
     def __init__(self, repo) -> None:
         self.repo, self.proc, self.base, self.pending = str(repo), None, None, b""
+        self.busy = threading.Lock()  # a test's second thread running a script meanwhile gets None: a subprocess
         self.files = Path(tempfile.mkdtemp(prefix="script-server-"))
 
     def takes(self, args, env: dict, kw: dict) -> bool:
@@ -112,8 +113,17 @@ class Client:
         line, self.pending = self.pending.split(b"\n", 1)
         return int(line)
 
-    def run(self, args, env: dict, cwd, timeout: float) -> subprocess.CompletedProcess:
-        """The run of `args` under the whole environment `env`, as subprocess.run(capture_output=True, text=True)."""
+    def run(self, args, env: dict, cwd, timeout: float) -> subprocess.CompletedProcess | None:
+        """The run of `args` under the whole environment `env`, as subprocess.run(capture_output=True, text=True); None
+        while another thread's run holds the server."""
+        if not self.busy.acquire(blocking=False):
+            return None
+        try:
+            return self._run(args, env, cwd, timeout)
+        finally:
+            self.busy.release()
+
+    def _run(self, args, env: dict, cwd, timeout: float) -> subprocess.CompletedProcess:
         # The server imports under the worker's environment as it is now: libraries the tests ran in-process add to it
         # (torch: TORCHINDUCTOR_CACHE_DIR, PYTORCH_NVML_BASED_CUDA_CHECK) and a test's monkeypatch changes it; a
         # subprocess would inherit the same, so a server started under another is replaced.

@@ -4,6 +4,7 @@ conftest wraps subprocess.Popen in that tier). Seen failing with the guard readi
 script server (script_server.py) every tier runs the scripts' single-process runs from: what a run gives back is what
 `python script.py` in a subprocess gives."""
 
+import json
 import os
 import subprocess
 import sys
@@ -53,23 +54,28 @@ def both(args, tmp_path, **env):
 def test_a_forked_script_run_gives_what_a_subprocess_gives(tmp_path):
     """A refusal (exit 2, its one line), a run that writes files and prints (exit 0), the same bytes on stdout and
     stderr; a crash's traceback and exit code 1; a signal's negative code; a timeout raised as subprocess.run raises
-    it, the run killed; a server started under another environment than the worker's now is replaced. Seen failing
-    with the server answering 0 for every exit code, and in CI's suite with the worker's environment grown by in-process
-    tests (torch's TORCHINDUCTOR_CACHE_DIR), which sent every later run to a subprocess."""
+    it, the run killed; a server started under another environment than the worker's now is replaced; a run while
+    another thread's holds the server is left to a subprocess. Seen failing with the server answering 0 for every
+    exit code, and in CI's suite with the worker's environment grown by in-process tests (torch's
+    TORCHINDUCTOR_CACHE_DIR), which sent every later run to a subprocess."""
     refused, plain = both([sys.executable, "train.py", "--max_steps", "-1"], tmp_path)
     assert (refused.returncode, refused.stdout, refused.stderr) == (plain.returncode, plain.stdout, plain.stderr)
     assert refused.returncode == 2 and refused.stderr.startswith("error: --max_steps"), refused.stderr
+    from common import synthetic_web_documents
+
+    web = tmp_path / "web.jsonl"  # ~60 kB: the run's tokens and its output, not its size, are compared
+    web.write_text("".join(json.dumps({"text": t}) + "\n" for t in synthetic_web_documents(60_000)))
     out = {}
     for name in ("forked", "plain"):
-        args = [sys.executable, "prepare_data.py", "--dataset", "python-docs", "--tokenizer", "bpe:300",
-                "--num_proc", "1", "--output_dir", tmp_path / name]  # fmt: skip
+        args = [sys.executable, "prepare_data.py", "--dataset", web, "--tokenizer", "bpe:300", "--num_proc", "1",
+                "--validation_fraction", "0.3", "--output_dir", tmp_path / name]  # fmt: skip
         out[name] = (SCRIPTS.run(args, {**os.environ, "TOKENIZERS_PARALLELISM": "false"}, REPO, 300) if name == "forked"
                      else subprocess.run(args, cwd=REPO, capture_output=True, text=True))  # fmt: skip
         assert out[name].returncode == 0, out[name].stderr
     assert (tmp_path / "forked" / "train.bin").read_bytes() == (tmp_path / "plain" / "train.bin").read_bytes()
     first = lambda p: p.stdout.splitlines()[0]  # noqa: E731 (the last line names its own directory and seconds)
     assert first(out["forked"]) == first(out["plain"]), (out["forked"].stdout, out["plain"].stdout)
-    # A crash: Python's own traceback and 1 (TRAIN_TEST_FAULT may differ from the server's: read when the code runs).
+    # A failed run: its code and its words (TRAIN_TEST_FAULT may differ from the server's: read when the code runs).
     crashed, plain = both([sys.executable, "eval.py", "--model", tmp_path / "none", "--dataset", tmp_path / "forked",
                            "--split", "validation"], tmp_path, TRAIN_TEST_FAULT="")  # fmt: skip
     assert crashed.returncode == plain.returncode != 0 and crashed.stderr == plain.stderr, (crashed, plain)
@@ -83,6 +89,8 @@ def test_a_forked_script_run_gives_what_a_subprocess_gives(tmp_path):
         SCRIPTS.run([sys.executable, "train.py", "--plan", "--model_config", "small", "--data_dir", "none"],
                     dict(os.environ), REPO, timeout=0.5)  # fmt: skip
     assert SCRIPTS.run([sys.executable, "train.py", "--help"], dict(os.environ), REPO, 60).returncode == 0  # serves on
+    with SCRIPTS.busy:  # another thread's run meanwhile: this one is left to a subprocess
+        assert SCRIPTS.run([sys.executable, "train.py", "--help"], dict(os.environ), REPO, 60) is None
     server = SCRIPTS.proc.pid
     os.environ["SCRIPT_SERVER_TEST_DRIFT"] = "1"  # as torch adds to the worker's environment when a test runs it
     try:
