@@ -287,8 +287,8 @@ def measure_links(accelerator, model_numel: int | None = None) -> dict:
     unchanged. The collectives move a buffer of the model's `model_numel` parameters (no message of the run is
     larger: ZeRO gathers a layer, reduces a bucket, DDP a bucket of the gradients), at least LINK_MIN_NUMEL and at most
     16 MB (64 MB on a GPU), where bus bandwidth has reached its plateau; the copies 4x that. A small model's messages
-    meet the link's latency more than its bandwidth, and so does the rate measured for it; the tiny test models'
-    launches spent ~3 s of the second or two on 16 MB buffers (2-core EPYC, 3 gloo processes).
+    meet the link's latency more than its bandwidth, and so does the rate measured for it (and the tests' tiny
+    model, 0.17M parameters, spent 3.3 s timing 16 MB buffers on 3 gloo processes sharing 2 EPYC cores).
 
     The check: an all-gather of rank-stamped integers, compared on every rank. On some RTX 40-series drivers NCCL's
     P2P copies between cards return wrong data without an error; training would then go on with corrupted gradients.
