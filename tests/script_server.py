@@ -28,9 +28,9 @@ import tempfile
 import threading
 from pathlib import Path
 
-# The environment variables a forked run may set to other values than the server started with: each is read when the
-# code runs, not when a module is imported (conftest.run's own two, pytest's name of the test it runs, and the fault
-# switches: cli.fault, tokenizer_pool).
+# The environment variables a test may give a forked run, and that may differ between the worker's environment and the
+# server's: each is read when the code runs, not when a module is imported (conftest.run's own two, pytest's name of
+# the test it runs, and the fault switches: cli.fault, tokenizer_pool).
 RUNTIME_ENV = {"PYTHONUNBUFFERED", "TOKENIZERS_PARALLELISM", "PYTEST_CURRENT_TEST", "TRAIN_TEST_FAULT",
                "TOKENIZER_TEST_FAULT"}  # fmt: skip
 SCRIPTS = ("train.py", "eval.py", "prepare_data.py")
@@ -44,7 +44,7 @@ def preload(repo: str) -> None:
 
     for name in ("train", "eval", "prepare_data", "accelerate", "deepspeed", "transformers.models.llama.modeling_llama",
                  "transformers.models.deepseek_v3.modeling_deepseek_v3", "transformers.models.gpt2.modeling_gpt2",
-                 "matplotlib.pyplot"):  # fmt: skip
+                 "matplotlib"):  # fmt: skip (not pyplot: the loss curve picks its backend first, as in a process)
         try:
             importlib.import_module(name)
         except ImportError:  # a library this checkout does not need: the run imports (or lacks) it itself
@@ -108,7 +108,8 @@ class Client:
                 return None
             chunk = os.read(fd, 64)
             if not chunk:
-                raise RuntimeError(f"the script server ended (exit code {self.proc.wait()})")
+                raise RuntimeError(f"the script server ended (exit code {self.proc.wait()}; its error is on the "
+                                   "worker's stderr): TEST_FORK_SCRIPTS=0 runs the scripts as plain subprocesses")
             self.pending += chunk
         line, self.pending = self.pending.split(b"\n", 1)
         return int(line)
