@@ -142,7 +142,10 @@ class Client:
         pid = self.answer(None)
         code = self.answer(timeout)
         if code is None:
-            os.kill(pid, signal.SIGKILL)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:  # it ended as the time ran out; the server answers its code all the same
+                pass
             self.answer(None)
         read = [p.read_text() for p in (stdout, stderr)]  # decoded as subprocess.run(text=True) would
         if code is None:

@@ -41,44 +41,43 @@ def test_one_process_is_not_a_launch(args, monkeypatch):
     refuse_launch_in_fast_tier(args)
 
 
-def both(args, tmp_path, **env):
-    """The run of `args` forked by the script server, and as a plain subprocess (what TEST_FORK_SCRIPTS=0 runs)."""
+def both(args, plain_args=None, **env):
+    """The run of `args` forked by the script server, and of `plain_args` (else the same) as a plain subprocess (what
+    TEST_FORK_SCRIPTS=0 runs), under the same environment."""
     full = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **env}
     assert SCRIPTS.takes(args, env, {}) and not SCRIPTS.takes(args, {**env, "HF_HUB_OFFLINE": "x"}, {})
     forked = SCRIPTS.run(args, full, REPO, timeout=300)
-    plain = subprocess.run(args, cwd=REPO, env=full, capture_output=True, text=True, timeout=300)
+    plain = subprocess.run(plain_args or args, cwd=REPO, env=full, capture_output=True, text=True, timeout=300)
     return forked, plain
 
 
 @pytest.mark.slow
-def test_a_forked_script_run_gives_what_a_subprocess_gives(tmp_path):
+def test_a_forked_script_run_gives_what_a_subprocess_gives(tmp_path, monkeypatch):
     """A refusal (exit 2, its one line), a run that writes files and prints (exit 0), the same bytes on stdout and
-    stderr; a crash's traceback and exit code 1; a signal's negative code; a timeout raised as subprocess.run raises
+    stderr; another script's refusal; a signal's negative code; a timeout raised as subprocess.run raises
     it, the run killed; a server started under another environment than the worker's now is replaced; a run while
     another thread's holds the server is left to a subprocess. Seen failing with the server answering 0 for every
     exit code, and in CI's suite with the worker's environment grown by in-process tests (torch's
     TORCHINDUCTOR_CACHE_DIR), which sent every later run to a subprocess."""
-    refused, plain = both([sys.executable, "train.py", "--max_steps", "-1"], tmp_path)
+    refused, plain = both([sys.executable, "train.py", "--max_steps", "-1"])
     assert (refused.returncode, refused.stdout, refused.stderr) == (plain.returncode, plain.stdout, plain.stderr)
     assert refused.returncode == 2 and refused.stderr.startswith("error: --max_steps"), refused.stderr
     from common import synthetic_web_documents
 
     web = tmp_path / "web.jsonl"  # ~60 kB: the run's tokens and its output, not its size, are compared
     web.write_text("".join(json.dumps({"text": t}) + "\n" for t in synthetic_web_documents(60_000)))
-    out = {}
-    for name in ("forked", "plain"):
-        args = [sys.executable, "prepare_data.py", "--dataset", web, "--tokenizer", "bpe:300", "--num_proc", "1",
-                "--validation_fraction", "0.3", "--output_dir", tmp_path / name]  # fmt: skip
-        out[name] = (SCRIPTS.run(args, {**os.environ, "TOKENIZERS_PARALLELISM": "false"}, REPO, 300) if name == "forked"
-                     else subprocess.run(args, cwd=REPO, capture_output=True, text=True))  # fmt: skip
-        assert out[name].returncode == 0, out[name].stderr
+    prepare = lambda name: [sys.executable, "prepare_data.py", "--dataset", web, "--tokenizer", "bpe:300",  # noqa: E731
+                            "--num_proc", "1", "--validation_fraction", "0.3", "--output_dir",
+                            tmp_path / name]  # fmt: skip
+    prepared, plain = both(prepare("forked"), prepare("plain"))
+    assert prepared.returncode == plain.returncode == 0, (prepared.stderr, plain.stderr)
     assert (tmp_path / "forked" / "train.bin").read_bytes() == (tmp_path / "plain" / "train.bin").read_bytes()
     first = lambda p: p.stdout.splitlines()[0]  # noqa: E731 (the last line names its own directory and seconds)
-    assert first(out["forked"]) == first(out["plain"]), (out["forked"].stdout, out["plain"].stdout)
+    assert first(prepared) == first(plain), (prepared.stdout, plain.stdout)
     # A failed run: its code and its words (TRAIN_TEST_FAULT may differ from the server's: read when the code runs).
-    crashed, plain = both([sys.executable, "eval.py", "--model", tmp_path / "none", "--dataset", tmp_path / "forked",
-                           "--split", "validation"], tmp_path, TRAIN_TEST_FAULT="")  # fmt: skip
-    assert crashed.returncode == plain.returncode != 0 and crashed.stderr == plain.stderr, (crashed, plain)
+    failed, plain = both([sys.executable, "eval.py", "--model", tmp_path / "none", "--dataset", tmp_path / "forked",
+                          "--split", "validation"], TRAIN_TEST_FAULT="")  # fmt: skip
+    assert failed.returncode == plain.returncode == 2 and failed.stderr == plain.stderr, (failed, plain)
     # Killed by a signal: its negative number, what the run printed before it.
     train = [sys.executable, "train.py", "--model_config", "tiny", "--seq_len", "32", "--max_steps", "3",
              "--eval_every", "0", "--sample_tokens", "0", "--log_every", "1", "--data_dir", tmp_path / "forked",
@@ -92,9 +91,6 @@ def test_a_forked_script_run_gives_what_a_subprocess_gives(tmp_path):
     with SCRIPTS.busy:  # another thread's run meanwhile: this one is left to a subprocess
         assert SCRIPTS.run([sys.executable, "train.py", "--help"], dict(os.environ), REPO, 60) is None
     server = SCRIPTS.proc.pid
-    os.environ["SCRIPT_SERVER_TEST_DRIFT"] = "1"  # as torch adds to the worker's environment when a test runs it
-    try:
-        assert SCRIPTS.run([sys.executable, "train.py", "--help"], dict(os.environ), REPO, 60).returncode == 0
-        assert SCRIPTS.proc.pid != server and SCRIPTS.base["SCRIPT_SERVER_TEST_DRIFT"] == "1"
-    finally:
-        del os.environ["SCRIPT_SERVER_TEST_DRIFT"]
+    monkeypatch.setenv("SCRIPT_SERVER_TEST_DRIFT", "1")  # as torch adds to the environment when a test runs it
+    assert SCRIPTS.run([sys.executable, "train.py", "--help"], dict(os.environ), REPO, 60).returncode == 0
+    assert SCRIPTS.proc.pid != server and SCRIPTS.base["SCRIPT_SERVER_TEST_DRIFT"] == "1"
