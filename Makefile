@@ -9,10 +9,13 @@ PY     := $(VENV)/bin/python
 .PHONY: setup quickstart test test-fast
 setup: $(VENV)/.installed
 
+# The packages byte-compiled on all cores, not by pip on one: 2-core AMD EPYC, 106 s installing with pip's compile,
+# 36 + 45 s this way. Some packages ship files that are no Python 3 (templates): compileall fails on them, pip skips them.
 $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-compile -r requirements.txt
+	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 	touch $@
 
 quickstart: setup
