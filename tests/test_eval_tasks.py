@@ -264,6 +264,22 @@ def test_unknown_task_and_dataset_out_of_reach(trained, task_dir, tmp_path, caps
     assert "HF_DATASETS_OFFLINE=0" in line and "--include_path" in line, line
 
 
+def test_tasks_of_the_include_path_alone_skip_the_harness_index(docs_data, tmp_path):
+    """Names that are all tasks of --include_path's own are built from that directory's registry alone (the harness's
+    index of ~14,700 task files takes ~10 s to read); a harness task or a group among them takes the whole registry,
+    --include_path's definitions first. test_tasks_equal_the_lm_eval_cli scores the directory's tasks against the
+    harness's CLI, which reads the whole registry."""
+    from deepseek_zero3.evaluation import harness_tasks
+
+    tasks = write_local_tasks(docs_data, tmp_path / "tasks")
+    (tasks / "local_pair.yaml").write_text("group: local_pair\ntask:\n  - local_mc\n  - local_ll\n")
+    own = harness_tasks.task_manager(str(tasks), ("local_mc", "local_ll"))
+    assert set(own.all_tasks) == {"local_mc", "local_ll", "local_pair"}
+    for names in (("local_mc", "hellaswag"), ("local_pair",)):
+        whole = harness_tasks.task_manager(str(tasks), names)
+        assert "hellaswag" in whole.all_tasks and {"local_mc", "local_pair"} <= set(whole.all_tasks), names
+
+
 def test_what_counts_as_a_checkpoint(tmp_path):
     """A directory named like a checkpoint (checkpoints/step_N) but holding a Hugging Face model is a model; without
     one it is a checkpoint that died before its trainer_state.json, and refused."""

@@ -50,19 +50,26 @@ def task_names(tasks: str) -> tuple[str, ...]:
     return tuple(names)
 
 
-def task_manager(include_path: str):
-    """The harness's task registry, with the task definitions of --include_path (which take precedence)."""
+def task_manager(include_path: str, names: tuple[str, ...] = ()):
+    """The harness's task registry, with the task definitions of --include_path (which take precedence). When every
+    name is a task of --include_path's own (not a group or a tag, which may name the harness's tasks), that directory's
+    registry alone: the harness's index reads its ~14,700 task YAML files, 9-12 s on a 2-core AMD EPYC."""
     if include_path and not Path(include_path).is_dir():
         raise UserError(f"--include_path {include_path} is not a directory; pass the directory of your task YAML files")
-    return _task_manager(str(Path(include_path).resolve()) if include_path else "")
+    include_path = str(Path(include_path).resolve()) if include_path else ""
+    if include_path and names:
+        own = _task_manager(include_path, defaults=False)
+        if set(names) <= set(own.all_subtasks):  # the harness's name for tasks, not groups or tags
+            return own
+    return _task_manager(include_path)
 
 
-@functools.lru_cache(maxsize=4)
-def _task_manager(include_path: str):
-    """Kept per directory within a process: building the index reads the harness's thousands of task YAML files."""
+@functools.lru_cache(maxsize=8)
+def _task_manager(include_path: str, defaults: bool = True):
+    """Kept per directory within a process: building the index reads every task YAML file under it."""
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=include_path or None)
+    return TaskManager(include_path=include_path or None, include_defaults=defaults)
 
 
 def unknown_task_error(names: list[str], manager, include_path: str) -> UserError:
@@ -123,7 +130,7 @@ def dataset_error(failed: dict[str, BaseException], manager) -> UserError:
 def load_tasks(settings: TaskSettings):
     """The harness's TaskManager and the tasks it builds for the names, datasets loaded. Each name is loaded on its own
     so that every dataset that cannot be loaded is named, with its task, in the one error line."""
-    manager = task_manager(settings.include_path)
+    manager = task_manager(settings.include_path, settings.names)
     unknown = [name for name in settings.names if name not in manager.task_index]
     if unknown:
         raise unknown_task_error(unknown, manager, settings.include_path)
