@@ -182,52 +182,63 @@ def test_validation_loss_falls_and_final_model_loads(trained, docs_data):
     assert fresh == pytest.approx(val[-1]["val_loss/python-docs"], rel=1e-5)
 
 
-@pytest.mark.launch
-def test_sigterm_saves_and_resume_matches(ref, docs_data, tmp_path):
-    out = tmp_path / "preempted"
-    args = [*TINY, *STEPS, "--micro_batch_size", "2", "--data_dir", docs_data, "--output_dir", out]
-    proc = launch(3, *args, check=False, env={"TRAIN_TEST_FAULT": "sigterm_launcher:0:4"})
-    stopped = re.search(r"stopped by signal after step (\d+)", proc.stdout)
-    assert stopped, proc.stdout[-3000:] + proc.stderr[-3000:]
-    step = int(stopped.group(1))
-    assert 4 <= step < 10
-    assert (out / "checkpoints" / f"step_{step}" / "trainer_state.json").is_file()
-    assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{step}"
-    assert not (out / "final").exists()
-    proc = launch(3, *args, "--resume", "auto")
-    assert f"step_{step}" in proc.stdout
-    assert_same_losses(ref[0], out, rel=1e-6)
-    assert_same_weights(ref[0], out)
+def steps_in(ckpts: Path) -> set[int]:
+    return {int(p.name.split("_")[1]) for p in ckpts.glob("step_*")}
+
+
+def left(before: set[int], saved, resumed: int) -> set[int]:
+    """The checkpoints --keep_last 2 leaves after a launch that saved the steps `saved`: the two newest, and the one
+    the launch resumed from."""
+    return {*sorted({*before, *saved})[-2:], resumed}
 
 
 @pytest.mark.launch
-def test_sigkill_while_saving_keeps_previous_checkpoint(ref, docs_data, tmp_path):
-    out = tmp_path / "killed"
+def test_sigkill_while_saving_and_sigterm_keep_checkpoints_that_resume_exactly(ref, docs_data, tmp_path):
+    """One run stopped twice, each stop's proofs on the launches it needs (a 3-process launch is ~40 s of CPU):
+    1. SIGKILL on rank 1 while step 4 is saved: step_2 stays the last good checkpoint, .tmp-step_4 is left unused.
+    2. --resume auto passes over the incomplete step and resumes from step_2; a SIGTERM to the launcher after step 6
+       (a preemption) saves the step the run stopped after and ends it without final/.
+    3. --resume auto from that checkpoint ends with the reference run's losses and weights. --keep_last 2 prunes the
+       others, never the checkpoint a launch resumed from.
+    4. An explicit --resume of an older checkpoint moves the newer ones aside, pruning keeps the new branch,
+       --resume auto would follow it, and the finished run keeps the abandoned branch for the user to delete, saying
+       so (it used to delete it: issue #59)."""
+    out, ckpts = tmp_path / "killed", tmp_path / "killed" / "checkpoints"
     args = [*TINY, *STEPS, "--micro_batch_size", "2", "--save_every", "2", "--data_dir", docs_data, "--output_dir", out]
     proc = launch(
         3, *args, check=False, env={"TRAIN_TEST_FAULT": "sigkill_in_save:1:4", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"}
     )
     assert proc.returncode != 0
-    ckpts = out / "checkpoints"
     assert (ckpts / "step_2" / "trainer_state.json").is_file()
     assert (ckpts / ".tmp-step_4").is_dir() and not (ckpts / "step_4").exists()
     assert (ckpts / "latest").read_text().strip() == "step_2"
-    proc = launch(3, *args, "--resume", "auto")
+
+    proc = launch(3, *args, "--resume", "auto", check=False, env={"TRAIN_TEST_FAULT": "sigterm_launcher:0:6"})
     assert "ignoring incomplete checkpoint" in proc.stdout and "resumed from" in proc.stdout and "step_2" in proc.stdout
+    stopped = re.search(r"stopped by signal after step (\d+)", proc.stdout)
+    assert stopped, proc.stdout[-3000:] + proc.stderr[-3000:]
+    step = int(stopped.group(1))
+    assert 6 <= step < 10
+    assert (ckpts / f"step_{step}" / "trainer_state.json").is_file()
+    assert (ckpts / "latest").read_text().strip() == f"step_{step}"
+    assert not (out / "final").exists() and not list(ckpts.glob(".tmp-*"))
+    kept = left({2}, [*range(4, step + 1, 2), step], resumed=2)
+    assert steps_in(ckpts) == kept
+
+    proc = launch(3, *args, "--resume", "auto")
+    assert f"resumed from {ckpts / f'step_{step}'}" in proc.stdout, proc.stdout[-3000:]
     assert_same_losses(ref[0], out, rel=1e-6)
     assert_same_weights(ref[0], out)
-    # --keep_last 2 prunes the others, but never the checkpoint this run resumed from
-    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_10", "step_2", "step_8"]
-    assert not list(ckpts.glob(".tmp-*"))
-    # An explicit resume from the older step_2 abandons step_8 and step_10: they move aside, pruning keeps the new
-    # branch, --resume auto would follow it, and the finished run keeps the abandoned branch for the user to delete,
-    # saying so (it used to delete it: issue #59).
-    proc = launch(3, "--output_dir", out, "--resume", ckpts / "step_2", "--save_every", "4")
-    moved = re.search(r"moved the checkpoints after step_2 \(step_8, step_10\) to .*/(abandoned-[\d-]+)", proc.stdout)
-    assert moved, proc.stdout
-    assert f"kept in {ckpts}: {moved.group(1)}, the checkpoints explicit --resume commands set aside" in proc.stdout
-    assert sorted(p.name for p in (ckpts / moved.group(1)).iterdir()) == ["metrics.jsonl", "step_10", "step_8"]
-    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_10", "step_2", "step_8"]
+    kept = left(kept, range(step + 2 - step % 2, 11, 2), resumed=step)
+    assert steps_in(ckpts) == kept and not list(ckpts.glob(".tmp-*"))
+
+    newer = [f"step_{s}" for s in sorted(kept) if s > step]
+    proc = launch(3, "--output_dir", out, "--resume", ckpts / f"step_{step}", "--save_every", "4")
+    moved = re.search(rf"moved the checkpoints after step_{step} \(([^)]*)\) to .*/(abandoned-[\d-]+)", proc.stdout)
+    assert moved and moved.group(1) == ", ".join(newer), proc.stdout
+    assert f"kept in {ckpts}: {moved.group(2)}, the checkpoints explicit --resume commands set aside" in proc.stdout
+    assert sorted(p.name for p in (ckpts / moved.group(2)).iterdir()) == sorted(["metrics.jsonl", *newer])
+    assert steps_in(ckpts) == left({step}, [s for s in range(step + 1, 11) if s % 4 == 0 or s == 10], resumed=step)
     assert (ckpts / "latest").read_text().strip() == "step_10"
     assert_same_weights(ref[0], out)
 
