@@ -51,9 +51,9 @@ def preload(repo: str) -> None:
         except ImportError:  # a library this checkout does not need: the run imports (or lacks) it itself
             pass
     # pyplot with the backend the loss curve picks before it imports pyplot (run_dir/metrics.py's plot_losses), so a
-    # run's curve is drawn as in a process of its own. Before these last four, a forked tiny 10-step train.py run still
-    # imported ~200 modules (pyplot's, cpp_extension's setuptools, the tokenizer's): 1.9 s of CPU, now 1.2 s (2-core
-    # AMD EPYC, idle, 3 runs each).
+    # run's curve is drawn as in a process of its own. Without pyplot, cpp_extension and the two tokenizer modules, a
+    # forked tiny 10-step train.py run still imported ~200 modules (pyplot's, cpp_extension's setuptools, the
+    # tokenizer's): 1.9 s of CPU, now 1.2 s (2-core AMD EPYC, idle, 3 runs each).
     try:
         import matplotlib
 
