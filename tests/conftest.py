@@ -131,11 +131,16 @@ def _script_server():
     SCRIPTS.close()
 
 
+# What every command a test runs gets on top of the worker's environment: output as it is written, and tokenizers that
+# start no threads of their own (the runs' own processes are the parallelism).
+RUN_ENV = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
 def run(args, check=True, env=None, timeout=600, cwd=REPO, **kw):
     """Run a command from the repository root, as a user would; returns the CompletedProcess (text). A single-process
     run of train.py, eval.py or prepare_data.py is forked from the worker's script server (script_server.py). (Under
     make test-fast, a launch is refused by the guard on subprocess.Popen.)"""
-    given = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    given = {**RUN_ENV, **(env or {})}
     full_env = {**os.environ, **given}
     # `python train.py ...`: forked from a process that has its imports (None: not one it takes, or it is busy)
     proc = SCRIPTS.run(args, full_env, cwd, timeout) if SCRIPTS.takes(args, given, kw) else None

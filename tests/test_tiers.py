@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, SCRIPTS, refuse_launch_in_fast_tier
+from conftest import REPO, RUN_ENV, SCRIPTS, refuse_launch_in_fast_tier
 
 LAUNCHES = [
     ["accelerate", "launch", "--num_processes", "3", "train.py"],
@@ -44,7 +44,7 @@ def test_one_process_is_not_a_launch(args, monkeypatch):
 def both(args, plain_args=None, **env):
     """The run of `args` forked by the script server, and of `plain_args` (else the same) as a plain subprocess (what
     TEST_FORK_SCRIPTS=0 runs), under the same environment."""
-    full = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **env}
+    full = {**os.environ, **RUN_ENV, **env}  # as conftest.run gives it
     assert SCRIPTS.takes(args, env, {}) and not SCRIPTS.takes(args, {**env, "HF_HUB_OFFLINE": "x"}, {})
     forked = SCRIPTS.run(args, full, REPO, timeout=300)
     plain = subprocess.run(plain_args or args, cwd=REPO, env=full, capture_output=True, text=True, timeout=300)

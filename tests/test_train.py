@@ -203,7 +203,8 @@ def test_sigkill_while_saving_and_sigterm_keep_checkpoints_that_resume_exactly(r
     4. An explicit --resume of an older checkpoint moves the newer ones aside, pruning keeps the new branch,
        --resume auto would follow it, and the finished run keeps the abandoned branch for the user to delete, saying
        so (it used to delete it: issue #59)."""
-    out, ckpts = tmp_path / "killed", tmp_path / "killed" / "checkpoints"
+    out = tmp_path / "killed"
+    ckpts = out / "checkpoints"
     args = [*TINY, *STEPS, "--micro_batch_size", "2", "--save_every", "2", "--data_dir", docs_data, "--output_dir", out]
     proc = launch(
         3, *args, check=False, env={"TRAIN_TEST_FAULT": "sigkill_in_save:1:4", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"}
