@@ -13,9 +13,23 @@ imported before the run's own environment was set (hence the rule above); what a
 import went to the server's stderr, not the run's (a test of that output runs the script with subprocess.run itself);
 the process's resident memory holds the server's modules too; Python's start-up is not repeated.
 
+Launches too: `accelerate launch ...` and `torchrun ...` (the console scripts of this interpreter's environment) run
+forked the same way, and the launcher's workers that run one of the three scripts start as forks of the launcher
+(fork_workers): the real launcher code (torch elastic's agent: its environment per rank, sessions, signals, restarts,
+exit codes) starts each worker with subprocess.Popen as always, and the worker skips the interpreter's start-up
+and imports (~6 s of CPU per process on a 2-core AMD EPYC). What a forked worker shares with an exec'd one: its
+own pid and session as the agent's child, argv, the environment the agent gives it, stdout and stderr where the
+agent sends them, Python's signal dispositions at start, the exit code (atexit handlers run, an uncaught
+exception's 1, a signal's death). What differs, besides the script server's own caveats: the ranks share one
+string hash seed (set iteration orders agree between ranks, where exec'd ranks may differ), and the launcher's own
+warning filters and atexit handlers come along.
+
 Run as `python tests/script_server.py`: it reads one JSON request per line on stdin and answers two lines on stdout,
 the run's pid and then its exit code."""
 
+import atexit
+import functools
+import io
 import json
 import os
 import runpy
@@ -26,14 +40,19 @@ import subprocess
 import sys
 import tempfile
 import threading
+import traceback
 from pathlib import Path
 
 # The environment variables a test may give a forked run, and that may differ between the worker's environment and the
 # server's: each is read when the code runs, not when a module is imported (conftest.run's own two, pytest's name of
-# the test it runs, and the fault switches: cli.fault, tokenizer_pool).
+# the test it runs, the fault switches: cli.fault, tokenizer_pool; torch elastic's shutdown grace), or only by a
+# library the server does not import (W&B's and trackio's, imported by a run that logs to them).
 RUNTIME_ENV = {"PYTHONUNBUFFERED", "TOKENIZERS_PARALLELISM", "PYTEST_CURRENT_TEST", "TRAIN_TEST_FAULT",
-               "TOKENIZER_TEST_FAULT"}  # fmt: skip
+               "TOKENIZER_TEST_FAULT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "WANDB_MODE", "WANDB_SILENT",
+               "TRACKIO_DIR"}  # fmt: skip
 SCRIPTS = ("train.py", "eval.py", "prepare_data.py")
+# Launchers: console scripts next to the interpreter (`.venv/bin/accelerate launch`, `.venv/bin/torchrun`).
+LAUNCHERS = ("accelerate", "torchrun")
 
 
 def preload(repo: str) -> None:
@@ -45,7 +64,9 @@ def preload(repo: str) -> None:
     for name in ("train", "eval", "prepare_data", "accelerate", "deepspeed", "transformers.models.llama.modeling_llama",
                  "transformers.models.deepseek_v3.modeling_deepseek_v3", "transformers.models.gpt2.modeling_gpt2",
                  "transformers.models.auto.tokenization_auto", "transformers.convert_slow_tokenizer",
-                 "torch.utils.cpp_extension"):  # fmt: skip
+                 "torch.utils.cpp_extension", "accelerate.commands.accelerate_cli", "accelerate.commands.launch",
+                 "torch.distributed.run", "deepspeed.launcher.runner",
+                 "torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler"):  # fmt: skip
         try:
             importlib.import_module(name)
         except ImportError:  # a library this checkout does not need: the run imports (or lacks) it itself
@@ -63,6 +84,7 @@ def preload(repo: str) -> None:
         pass
     sys.path.remove(repo)
     assert threading.active_count() == 1, "a module started a thread at import: forking would copy its locks"
+    assert not {"wandb", "trackio"} & set(sys.modules), "RUNTIME_ENV holds their variables: they read them at import"
 
 
 def serve() -> None:
@@ -90,10 +112,96 @@ def run_child(req: dict) -> None:
         os.dup2(opened, fd)
         os.close(opened)
     script = req["script"]
+    if os.path.basename(script) in LAUNCHERS:
+        fork_workers(req["repo"])
     sys.argv = [script, *req["args"]]  # as given; __file__ and sys.path[0] absolute, as Python sets them
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     runpy.run_path(os.path.abspath(script), run_name="__main__")
     sys.exit(0)
+
+
+def fork_workers(repo: str) -> None:
+    """In a forked launcher: torch elastic's agent starts each worker that runs one of the scripts of `repo` with
+    `python -u` as a fork of this process, which already holds the imports. subprocess.Popen forks as always (session,
+    stdout and stderr files, the Popen object the agent polls, signals and waits on); the fork then becomes the worker
+    in preexec_fn, before the exec it never reaches (become_worker)."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+    handler = subprocess_handler.SubprocessHandler
+    exec_popen = handler._popen
+
+    def _popen(self, args, env):
+        words = [str(a) for a in args]
+        ours = len(words) > 2 and words[:2] == [sys.executable, "-u"] and os.path.basename(words[2]) in SCRIPTS
+        if not ours or os.path.dirname(os.path.abspath(words[2])) != repo:
+            return exec_popen(self, args, env)
+        worker = functools.partial(become_worker, words[2], words[3:], dict(env))
+        return subprocess.Popen(words, env=env, stdout=self._stdout, stderr=self._stderr, start_new_session=True,
+                                preexec_fn=worker)  # fmt: skip
+
+    handler._popen = _popen
+
+
+def become_worker(script: str, args: list[str], env: dict) -> None:
+    """The rest of a worker's life, in the child subprocess.Popen forked (preexec_fn): never returns."""
+    code = 1
+    try:
+        # What Popen closes before its exec (close_fds), among them its pipe that reports the exec: closed here, the
+        # agent's Popen returns as after an exec.
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+        # Python's dispositions at start: the launcher's handlers (torch elastic's SIGTERM) are not the worker's.
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT, signal.SIGALRM):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        os.environ.clear()
+        os.environ.update(env)
+        if env.get("OMP_NUM_THREADS", "").isdigit():  # read by torch when it starts; this process started earlier
+            import torch
+
+            torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+        # `python -u`'s stdout and stderr on the files Popen put at 1 and 2; the launcher's objects stay referenced,
+        # so what they might still hold is never written into the worker's files.
+        LAUNCHER_STREAMS.extend((sys.stdout, sys.stderr))
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace")
+        sys.argv = [script, *args]
+        sys.path[0] = os.path.dirname(os.path.abspath(script))
+        try:
+            runpy.run_path(os.path.abspath(script), run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            code = exit_code(e.code)
+        except KeyboardInterrupt:
+            traceback.print_exc()
+            code = -signal.SIGINT
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        if code < 0:  # Python's own death by an uncaught KeyboardInterrupt: by the signal
+            signal.signal(-code, signal.SIG_DFL)
+            os.kill(os.getpid(), -code)
+        os._exit(code)
+
+
+LAUNCHER_STREAMS: list = []
+
+
+def exit_code(value) -> int:
+    """The exit code Python gives sys.exit(value)."""
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value & 0xFF
+    print(value, file=sys.stderr)
+    return 1
 
 
 class Client:
@@ -108,9 +216,13 @@ class Client:
         """Whether a run of `args` may be forked: `python <script>` of the three, nothing but cwd among subprocess.run's
         other arguments, and in `env` (what the test sets on top of the worker's environment) only RUNTIME_ENV or a
         value the worker's environment has already."""
-        if os.environ.get("TEST_FORK_SCRIPTS", "1") == "0" or kw or len(args) < 2 or args[0] != sys.executable:
+        if os.environ.get("TEST_FORK_SCRIPTS", "1") == "0" or kw or len(args) < 2:
             return False
-        return str(args[1]) in SCRIPTS and all(k in RUNTIME_ENV or os.environ.get(k) == v for k, v in env.items())
+        script = args[1] if args[0] == sys.executable else args[0]
+        launcher = Path(args[0]).name in LAUNCHERS and Path(args[0]).parent == Path(sys.executable).parent
+        if not (str(script) in SCRIPTS or launcher):
+            return False
+        return all(k in RUNTIME_ENV or os.environ.get(k) == v for k, v in env.items())
 
     def answer(self, timeout: float | None) -> int | None:
         """The server's next line as a number; None when `timeout` seconds pass first."""
@@ -147,8 +259,9 @@ class Client:
             self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          cwd=self.repo, env={**base, "PYTHONUNBUFFERED": "1"})  # fmt: skip
         stdout, stderr = self.files / "stdout", self.files / "stderr"
-        req = {"script": str(args[1]), "args": [str(a) for a in args[2:]], "env": env, "cwd": str(cwd),
-               "stdout": str(stdout), "stderr": str(stderr)}  # fmt: skip
+        script, *rest = args[1:] if args[0] == sys.executable else args
+        req = {"script": str(script), "args": [str(a) for a in rest], "env": env, "cwd": str(cwd),
+               "stdout": str(stdout), "stderr": str(stderr), "repo": self.repo}  # fmt: skip
         self.proc.stdin.write((json.dumps(req) + "\n").encode())
         self.proc.stdin.flush()
         pid = self.answer(None)

@@ -1,8 +1,8 @@
 """make test-fast's guard (conftest.refuse_launch_in_fast_tier): under TEST_TIER=fast, a multi-process launch from a
 test not marked `launch` fails that test, however the command is spelled (every child process goes through the guard:
 conftest wraps subprocess.Popen in that tier). Seen failing with the guard reading only the first word. And the
-script server (script_server.py) every tier runs the scripts' single-process runs from: what a run gives back is what
-`python script.py` in a subprocess gives."""
+script server (script_server.py) every tier runs the scripts' single-process runs from, and the full suite its launches:
+what a run gives back is what `python script.py` or `accelerate launch` in a subprocess gives."""
 
 import json
 import os
@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, RUN_ENV, SCRIPTS, refuse_launch_in_fast_tier
+from conftest import REPO, RUN_ENV, SCRIPTS, TINY, assert_processes, launch_cmd, metrics, refuse_launch_in_fast_tier
 
 LAUNCHES = [
     ["accelerate", "launch", "--num_processes", "3", "train.py"],
@@ -94,3 +94,34 @@ def test_a_forked_script_run_gives_what_a_subprocess_gives(tmp_path, monkeypatch
     monkeypatch.setenv("SCRIPT_SERVER_TEST_DRIFT", "1")  # as torch adds to the environment when a test runs it
     assert SCRIPTS.run([sys.executable, "train.py", "--help"], dict(os.environ), REPO, 60).returncode == 0
     assert SCRIPTS.proc.pid != server and SCRIPTS.base["SCRIPT_SERVER_TEST_DRIFT"] == "1"
+
+
+@pytest.mark.launch
+def test_a_forked_launch_gives_what_a_launch_gives(docs_data, tmp_path):
+    """`accelerate launch` forked by the script server, its workers forked from the launcher (script_server.fork_workers),
+    against the same launch as a plain subprocess: 2 processes each, the same losses to the bit, the same step lines.
+    A refusal under the launcher: the same exit code and the worker's one error line. (The kills, hangs, restarts and
+    preemptions of test_resilience.py and test_train.py run forked too.) Seen failing with the launcher's Popen never
+    returning, its exec pipe left open in the worker."""
+
+    def launch_both(*args, **env):
+        forked_args = launch_cmd(2, *args, "--output_dir", tmp_path / "forked")
+        assert SCRIPTS.takes(forked_args, env, {}) and not SCRIPTS.takes(forked_args, {"HF_HUB_OFFLINE": "1"}, {})
+        forked = SCRIPTS.run(forked_args, {**os.environ, **RUN_ENV, **env}, REPO, timeout=300)
+        plain = subprocess.run(launch_cmd(2, *args, "--output_dir", tmp_path / "plain"), cwd=REPO, capture_output=True,
+                               env={**os.environ, **RUN_ENV, **env}, text=True, timeout=300)  # fmt: skip
+        return forked, plain
+
+    args = [*TINY, "--max_steps", "3", "--micro_batch_size", "2", "--data_dir", docs_data]
+    forked, plain = launch_both(*args)
+    for proc in (forked, plain):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert_processes(proc, 2)
+    assert [(r["step"], r.get("loss")) for r in metrics(tmp_path / "forked")] == [
+        (r["step"], r.get("loss")) for r in metrics(tmp_path / "plain")
+    ]
+    steps = lambda p: [line for line in p.stdout.splitlines() if line.startswith("step ")]  # noqa: E731
+    assert [line.split(" | ")[:2] for line in steps(forked)] == [line.split(" | ")[:2] for line in steps(plain)]
+    refused = launch_both("--max_steps", "-1")
+    for proc in refused:
+        assert proc.returncode == 1 and proc.stderr.count("error: --max_steps -1") == 1, proc.stderr[-3000:]
