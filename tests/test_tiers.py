@@ -98,11 +98,11 @@ def test_a_forked_script_run_gives_what_a_subprocess_gives(tmp_path, monkeypatch
 
 @pytest.mark.launch
 def test_a_forked_launch_gives_what_a_launch_gives(docs_data, tmp_path):
-    """`accelerate launch` forked by the script server, its workers forked from the launcher (script_server.fork_workers),
-    against the same launch as a plain subprocess: 2 processes each, the same losses to the bit, the same step lines.
-    A refusal under the launcher: the same exit code and the worker's one error line. (The kills, hangs, restarts and
-    preemptions of test_resilience.py and test_train.py run forked too.) Seen failing with the launcher's Popen never
-    returning, its exec pipe left open in the worker."""
+    """`accelerate launch` forked by the script server, its workers forked from the launcher
+    (script_server.fork_workers), against the same launch as a plain subprocess: 2 processes each, the same losses
+    to the bit, the same step lines. A refusal under the launcher: the same exit code and the worker's one error line.
+    (The kills, hangs, restarts and preemptions of test_resilience.py and test_train.py run forked too.) Seen failing
+    with the launcher's Popen never returning, its exec pipe left open in the worker."""
 
     def launch_both(*args, **env):
         forked_args = launch_cmd(2, *args, "--output_dir", tmp_path / "forked")
