@@ -39,7 +39,8 @@ if WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
 # collection order, so a long file handed out last would run alone while the other worker idles.
 LONG_FIRST = ["test_train.py", "test_run_dir.py", "test_gpu_check.py", "test_moe.py", "test_muon.py", "test_eval.py",
               "test_resilience.py", "test_reshard.py", "test_recipe.py", "test_precision.py", "test_harness.py",
-              "test_eval_tasks.py", "test_multinode.py"]  # fmt: skip
+              "test_eval_tasks.py", "test_multinode.py", "test_tiers.py", "test_loss.py", "test_mixture.py",
+              "test_zero3_validation.py"]  # fmt: skip
 
 
 # The test tiers (docs/testing.md). `make test-fast` runs every test not marked `launch`: pure functions, in-process

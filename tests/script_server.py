@@ -14,7 +14,7 @@ import went to the server's stderr, not the run's (a test of that output runs th
 the process's resident memory holds the server's modules too; Python's start-up is not repeated.
 
 Launches too: `accelerate launch ...` and `torchrun ...` (the console scripts of this interpreter's environment) run
-forked the same way, and the launcher's workers that run one of the three scripts start as forks of the launcher
+forked the same way, and the launcher's workers that run a Python script start as forks of the launcher
 (fork_workers): the real launcher code (torch elastic's agent: its environment per rank, sessions, signals, restarts,
 exit codes) starts each worker with subprocess.Popen as always, and the worker skips the interpreter's start-up
 and imports (~6 s of CPU per process on a 2-core AMD EPYC). What a forked worker shares with an exec'd one: its
@@ -113,18 +113,18 @@ def run_child(req: dict) -> None:
         os.close(opened)
     script = req["script"]
     if os.path.basename(script) in LAUNCHERS:
-        fork_workers(req["repo"])
+        fork_workers()
     sys.argv = [script, *req["args"]]  # as given; __file__ and sys.path[0] absolute, as Python sets them
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     runpy.run_path(os.path.abspath(script), run_name="__main__")
     sys.exit(0)
 
 
-def fork_workers(repo: str) -> None:
-    """In a forked launcher: torch elastic's agent starts each worker that runs one of the scripts of `repo` with
-    `python -u` as a fork of this process, which already holds the imports. subprocess.Popen forks as always (session,
-    stdout and stderr files, the Popen object the agent polls, signals and waits on); the fork then becomes the worker
-    in preexec_fn, before the exec it never reaches (become_worker)."""
+def fork_workers() -> None:
+    """In a forked launcher: torch elastic's agent starts each worker that runs a Python script (`python -u
+    script.py`: train.py, eval.py, a test's own) as a fork of this process, which already holds the imports.
+    subprocess.Popen forks as always (session, stdout and stderr files, the Popen object the agent polls, signals and
+    waits on); the fork then becomes the worker in preexec_fn, before the exec it never reaches (become_worker)."""
     from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
 
     handler = subprocess_handler.SubprocessHandler
@@ -132,9 +132,8 @@ def fork_workers(repo: str) -> None:
 
     def _popen(self, args, env):
         words = [str(a) for a in args]
-        ours = len(words) > 2 and words[:2] == [sys.executable, "-u"] and os.path.basename(words[2]) in SCRIPTS
-        if not ours or os.path.dirname(os.path.abspath(words[2])) != repo:
-            return exec_popen(self, args, env)
+        if not (len(words) > 2 and words[:2] == [sys.executable, "-u"] and words[2].endswith(".py")):
+            return exec_popen(self, args, env)  # a module (-m), another program (--no_python)
         worker = functools.partial(become_worker, words[2], words[3:], dict(env))
         return subprocess.Popen(words, env=env, stdout=self._stdout, stderr=self._stderr, start_new_session=True,
                                 preexec_fn=worker)  # fmt: skip
@@ -261,7 +260,7 @@ class Client:
         stdout, stderr = self.files / "stdout", self.files / "stderr"
         script, *rest = args[1:] if args[0] == sys.executable else args
         req = {"script": str(script), "args": [str(a) for a in rest], "env": env, "cwd": str(cwd),
-               "stdout": str(stdout), "stderr": str(stderr), "repo": self.repo}  # fmt: skip
+               "stdout": str(stdout), "stderr": str(stderr)}  # fmt: skip
         self.proc.stdin.write((json.dumps(req) + "\n").encode())
         self.proc.stdin.flush()
         pid = self.answer(None)

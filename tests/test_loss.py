@@ -207,7 +207,7 @@ def test_the_loss_unwraps_its_model_once_not_at_every_micro_step(monkeypatch):
 # GatheredParameters'), whichever parameter of a coalesced gather carries it.
 ZERO3 = r"""
 import json, sys
-sys.path.insert(0, {repo!r})
+sys.path[:0] = [{repo!r}, {repo!r} + "/tests"]
 import torch, deepspeed
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
@@ -280,7 +280,7 @@ def zero3_results(tmp_path_factory) -> dict[int, dict]:
     script.write_text(ZERO3.format(repo=str(REPO)))
     results = {}
     for nproc in (1, 3):
-        proc = run(launch_cmd(nproc, script=str(script)), env={"PYTHONPATH": str(REPO / "tests")})
+        proc = run(launch_cmd(nproc, script=str(script)))
         results[nproc] = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[7:])
     return results
 

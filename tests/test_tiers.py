@@ -112,7 +112,7 @@ def test_a_forked_launch_gives_what_a_launch_gives(docs_data, tmp_path):
                                env={**os.environ, **RUN_ENV, **env}, text=True, timeout=300)  # fmt: skip
         return forked, plain
 
-    args = [*TINY, "--max_steps", "3", "--micro_batch_size", "2", "--data_dir", docs_data]
+    args = [*TINY, "--max_steps", "2", "--micro_batch_size", "2", "--eval_tokens", "128", "--data_dir", docs_data]
     forked, plain = launch_both(*args)
     for proc in (forked, plain):
         assert proc.returncode == 0, proc.stderr[-3000:]
