@@ -28,6 +28,7 @@ Run as `python tests/script_server.py`: it reads one JSON request per line on st
 the run's pid and then its exit code."""
 
 import atexit
+import faulthandler
 import functools
 import io
 import json
@@ -41,6 +42,7 @@ import sys
 import tempfile
 import threading
 import traceback
+import warnings
 from pathlib import Path
 
 # The environment variables a test may give a forked run, and that may differ between the worker's environment and the
@@ -83,6 +85,7 @@ def preload(repo: str) -> None:
     except ImportError:
         pass
     sys.path.remove(repo)
+    IMPORTED_FILTERS[:] = warnings.filters
     assert threading.active_count() == 1, "a module started a thread at import: forking would copy its locks"
     assert not {"wandb", "trackio"} & set(sys.modules), "RUNTIME_ENV holds their variables: they read them at import"
 
@@ -165,6 +168,12 @@ def become_worker(script: str, args: list[str], env: dict) -> None:
         LAUNCHER_STREAMS.extend((sys.stdout, sys.stderr))
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
         sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace")
+        sys.__stdout__, sys.__stderr__ = sys.stdout, sys.stderr
+        # The warning filters the imports left, not those the launcher set since; no fault handler unless asked for.
+        warnings.filters[:] = IMPORTED_FILTERS
+        warnings._filters_mutated()
+        if not env.get("PYTHONFAULTHANDLER"):
+            faulthandler.disable()
         sys.argv = [script, *args]
         sys.path[0] = os.path.dirname(os.path.abspath(script))
         try:
@@ -191,6 +200,7 @@ def become_worker(script: str, args: list[str], env: dict) -> None:
 
 
 LAUNCHER_STREAMS: list = []
+IMPORTED_FILTERS: list = []  # warnings.filters after preload: what a fresh interpreter's imports leave
 
 
 def exit_code(value) -> int:
