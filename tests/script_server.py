@@ -30,6 +30,7 @@ the run's pid and then its exit code."""
 import atexit
 import faulthandler
 import functools
+import gc
 import io
 import json
 import os
@@ -86,6 +87,8 @@ def preload(repo: str) -> None:
         pass
     sys.path.remove(repo)
     IMPORTED_FILTERS[:] = warnings.filters
+    given = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    SERVER_PATH[:] = [p for p in sys.path[1:] if p not in given]
     assert threading.active_count() == 1, "a module started a thread at import: forking would copy its locks"
     assert not {"wandb", "trackio"} & set(sys.modules), "RUNTIME_ENV holds their variables: they read them at import"
 
@@ -128,6 +131,7 @@ def fork_workers() -> None:
     script.py`: train.py, eval.py, a test's own) as a fork of this process, which already holds the imports.
     subprocess.Popen forks as always (session, stdout and stderr files, the Popen object the agent polls, signals and
     waits on); the fork then becomes the worker in preexec_fn, before the exec it never reaches (become_worker)."""
+    import torch
     from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
 
     handler = subprocess_handler.SubprocessHandler
@@ -137,6 +141,8 @@ def fork_workers() -> None:
         words = [str(a) for a in args]
         if not (len(words) > 2 and words[:2] == [sys.executable, "-u"] and words[2].endswith(".py")):
             return exec_popen(self, args, env)  # a module (-m), another program (--no_python)
+        if torch.cuda.is_available():  # the launcher has initialised CUDA (device_count): a fork could not use it
+            return exec_popen(self, args, env)
         worker = functools.partial(become_worker, words[2], words[3:], dict(env))
         return subprocess.Popen(words, env=env, stdout=self._stdout, stderr=self._stderr, start_new_session=True,
                                 preexec_fn=worker)  # fmt: skip
@@ -148,15 +154,20 @@ def become_worker(script: str, args: list[str], env: dict) -> None:
     """The rest of a worker's life, in the child subprocess.Popen forked (preexec_fn): never returns."""
     code = 1
     try:
-        # What Popen closes before its exec (close_fds), among them its pipe that reports the exec: closed here, the
-        # agent's Popen returns as after an exec.
-        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
-        # Python's dispositions at start: the launcher's handlers (torch elastic's SIGTERM) are not the worker's.
-        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT, signal.SIGALRM):
-            signal.signal(sig, signal.SIG_DFL)
+        # Python's dispositions at start: a handler the launcher set (torch elastic's SIGTERM) is not the worker's.
+        for sig in signal.valid_signals():
+            if callable(signal.getsignal(sig)) and signal.getsignal(sig) is not signal.default_int_handler:
+                signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        # Popen turns the garbage collector off in the child it forks for preexec_fn; an exec'd process has it on. The
+        # launcher's objects are frozen first: none of them is finalised in the worker, on descriptors since reused.
+        gc.freeze()
+        gc.enable()
+        # What Popen closes before its exec (close_fds), among them its pipe that reports the exec: closed here, the
+        # agent's Popen returns as after an exec.
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
         os.environ.clear()
         os.environ.update(env)
         if env.get("OMP_NUM_THREADS", "").isdigit():  # read by torch when it starts; this process started earlier
@@ -175,18 +186,19 @@ def become_worker(script: str, args: list[str], env: dict) -> None:
         if not env.get("PYTHONFAULTHANDLER"):
             faulthandler.disable()
         sys.argv = [script, *args]
-        sys.path[0] = os.path.dirname(os.path.abspath(script))
+        # sys.path as Python builds it: the script's directory, then PYTHONPATH's entries (Accelerate's DeepSpeed
+        # launch gives its workers the working directory there), then the interpreter's own.
+        given = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.path[:] = [os.path.dirname(os.path.abspath(script)), *given, *(p for p in SERVER_PATH if p not in given)]
         try:
             runpy.run_path(os.path.abspath(script), run_name="__main__")
             code = 0
         except SystemExit as e:
             code = exit_code(e.code)
-        except KeyboardInterrupt:
-            traceback.print_exc()
-            code = -signal.SIGINT
-        except BaseException:
-            traceback.print_exc()
-            code = 1
+        except BaseException as e:  # as the interpreter reports it: through sys.excepthook (W&B's records the crash)
+            sys.excepthook(type(e), e, e.__traceback__)
+            code = -signal.SIGINT if isinstance(e, KeyboardInterrupt) else 1
+        threading._shutdown()  # the interpreter's exit: non-daemon threads joined, then the atexit handlers
         atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -201,6 +213,7 @@ def become_worker(script: str, args: list[str], env: dict) -> None:
 
 LAUNCHER_STREAMS: list = []
 IMPORTED_FILTERS: list = []  # warnings.filters after preload: what a fresh interpreter's imports leave
+SERVER_PATH: list = []  # sys.path after preload, without the script's directory and PYTHONPATH's entries
 
 
 def exit_code(value) -> int:
