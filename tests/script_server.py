@@ -19,10 +19,11 @@ forked the same way, and the launcher's workers that run a Python script start a
 exit codes) starts each worker with subprocess.Popen as always, and the worker skips the interpreter's start-up
 and imports (~6 s of CPU per process on a 2-core AMD EPYC). What a forked worker shares with an exec'd one: its
 own pid and session as the agent's child, argv, the environment the agent gives it, stdout and stderr where the
-agent sends them, Python's signal dispositions at start, the exit code (atexit handlers run, an uncaught
-exception's 1, a signal's death). What differs, besides the script server's own caveats: the ranks share one
-string hash seed (set iteration orders agree between ranks, where exec'd ranks may differ), and the launcher's own
-warning filters and atexit handlers come along.
+agent sends them, Python's signal dispositions, garbage collector, warning filters and sys.path at start, the exit
+(an uncaught exception through sys.excepthook, non-daemon threads joined, atexit handlers run, the exit code or the
+signal's death). What differs, besides the script server's own caveats: the ranks share one string hash seed (set
+iteration orders agree between ranks, where exec'd ranks may differ), and the launcher's atexit handlers come along
+(docs/testing.md lists the rest).
 
 Run as `python tests/script_server.py`: it reads one JSON request per line on stdin and answers two lines on stdout,
 the run's pid and then its exit code."""
