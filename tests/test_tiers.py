@@ -107,13 +107,9 @@ def test_a_forked_launch_gives_what_a_launch_gives(docs_data, tmp_path):
     if os.environ.get("TEST_FORK_SCRIPTS") == "0":
         pytest.skip("TEST_FORK_SCRIPTS=0: every launch runs as plain processes, none forked to compare")
 
-    def launch_both(*args, **env):
-        forked_args = launch_cmd(2, *args, "--output_dir", tmp_path / "forked")
-        assert SCRIPTS.takes(forked_args, env, {}) and not SCRIPTS.takes(forked_args, {"HF_HUB_OFFLINE": "1"}, {})
-        forked = SCRIPTS.run(forked_args, {**os.environ, **RUN_ENV, **env}, REPO, timeout=300)
-        plain = subprocess.run(launch_cmd(2, *args, "--output_dir", tmp_path / "plain"), cwd=REPO, capture_output=True,
-                               env={**os.environ, **RUN_ENV, **env}, text=True, timeout=300)  # fmt: skip
-        return forked, plain
+    def launch_both(*args):
+        return both(launch_cmd(2, *args, "--output_dir", tmp_path / "forked"),
+                    launch_cmd(2, *args, "--output_dir", tmp_path / "plain"))  # fmt: skip
 
     args = [*TINY, "--max_steps", "2", "--micro_batch_size", "2", "--eval_tokens", "128", "--data_dir", docs_data]
     forked, plain = launch_both(*args)
