@@ -80,13 +80,13 @@ def test_a_forked_script_run_gives_what_a_subprocess_gives(tmp_path, monkeypatch
     assert failed.returncode == plain.returncode == 2 and failed.stderr == plain.stderr, (failed, plain)
     # Killed by a signal: its negative number, what the run printed before it.
     train = [sys.executable, "train.py", "--model_config", "tiny", "--seq_len", "32", "--max_steps", "3",
-             "--eval_every", "0", "--sample_tokens", "0", "--log_every", "1", "--data_dir", tmp_path / "forked",
-             "--output_dir", tmp_path / "killed"]  # fmt: skip
-    killed = SCRIPTS.run(train, {**os.environ, "TRAIN_TEST_FAULT": "sigkill_rank:0:2"}, REPO, 300)
+             "--eval_every", "0", "--sample_tokens", "0", "--log_every", "1",
+             "--data_dir", tmp_path / "forked"]  # fmt: skip
+    fault = lambda spec: {**os.environ, "TRAIN_TEST_FAULT": spec}  # noqa: E731
+    killed = SCRIPTS.run([*train, "--output_dir", tmp_path / "killed"], fault("sigkill_rank:0:2"), REPO, 300)
     assert killed.returncode == -9 and "step 1/3" in killed.stdout and "step 3/3" not in killed.stdout, killed
-    with pytest.raises(subprocess.TimeoutExpired):
-        SCRIPTS.run([sys.executable, "train.py", "--plan", "--model_config", "small", "--data_dir", "none"],
-                    dict(os.environ), REPO, timeout=0.5)  # fmt: skip
+    with pytest.raises(subprocess.TimeoutExpired):  # its steps 1-3 take 4 s each
+        SCRIPTS.run([*train, "--output_dir", tmp_path / "slow"], fault("slow_step:0:1-3"), REPO, timeout=1)
     assert SCRIPTS.run([sys.executable, "train.py", "--help"], dict(os.environ), REPO, 60).returncode == 0  # serves on
     with SCRIPTS.busy:  # another thread's run meanwhile: this one is left to a subprocess
         assert SCRIPTS.run([sys.executable, "train.py", "--help"], dict(os.environ), REPO, 60) is None
