@@ -72,7 +72,7 @@ def preload(repo: str) -> None:
                  "transformers.models.deepseek_v3.modeling_deepseek_v3", "transformers.models.gpt2.modeling_gpt2",
                  "transformers.models.auto.tokenization_auto", "transformers.convert_slow_tokenizer",
                  "torch.utils.cpp_extension", "accelerate.commands.accelerate_cli", "accelerate.commands.launch",
-                 "torch.distributed.run", "deepspeed.launcher.runner",
+                 "torch.distributed.run", "deepspeed.launcher.runner", "deepspeed.runtime.zero.muon.muon_optimizer",
                  "torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler"):  # fmt: skip
         try:
             importlib.import_module(name)
@@ -88,6 +88,14 @@ def preload(repo: str) -> None:
         matplotlib.use("Agg")
         importlib.import_module("matplotlib.pyplot")
     except ImportError:
+        pass
+    # transformers' table of checkpoint key conversions for every architecture, built once per process at its first
+    # save_pretrained or from_pretrained (~930 regular expressions) and kept: built here, the runs share it.
+    try:
+        from transformers import conversion_mapping
+
+        conversion_mapping.get_checkpoint_conversion_mapping("llama")
+    except (ImportError, AttributeError):
         pass
     sys.path.remove(repo)
     IMPORTED_FILTERS[:] = warnings.filters
