@@ -57,6 +57,12 @@ from pathlib import Path
 RUNTIME_ENV = {"PYTHONUNBUFFERED", "TOKENIZERS_PARALLELISM", "PYTEST_CURRENT_TEST", "TRAIN_TEST_FAULT",
                "TOKENIZER_TEST_FAULT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "WANDB_MODE", "WANDB_SILENT",
                "TRACKIO_DIR"}  # fmt: skip
+# What libraries that tests import in-process add to the worker's environment as they go (torch's inductor when it
+# compiles; lm-eval and scikit-learn at import): read when a compile runs (inductor's cache and C++ wrapper), or only
+# for what no run here does (a Hub download's speed, an OpenMP runtime loaded twice). A forked run still gets them in
+# its environment, as a subprocess would; the server is not replaced for them (~8 s of CPU each time).
+DRIFT_ENV = {"TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "HF_XET_HIGH_PERFORMANCE",
+             "KMP_DUPLICATE_LIB_OK"}  # fmt: skip
 SCRIPTS = ("train.py", "eval.py", "prepare_data.py")
 # Launchers: console scripts next to the interpreter (`.venv/bin/accelerate launch`, `.venv/bin/torchrun`).
 LAUNCHERS = ("accelerate", "torchrun")
@@ -299,10 +305,9 @@ class Client:
             self.busy.release()
 
     def _run(self, args, env: dict, cwd, timeout: float) -> subprocess.CompletedProcess:
-        # The server imports under the worker's environment as it is now: libraries the tests ran in-process add to it
-        # (torch: TORCHINDUCTOR_CACHE_DIR, PYTORCH_NVML_BASED_CUDA_CHECK) and a test's monkeypatch changes it; a
-        # subprocess would inherit the same, so a server started under another is replaced.
-        base = {k: v for k, v in os.environ.items() if k not in RUNTIME_ENV}
+        # The server imports under the worker's environment as it is now: a test's monkeypatch changes it, and a
+        # subprocess would inherit the change, so a server started under another is replaced (DRIFT_ENV aside).
+        base = {k: v for k, v in os.environ.items() if k not in RUNTIME_ENV | DRIFT_ENV}
         if self.proc is None or self.proc.poll() is not None or base != self.base:
             self.stop()
             self.base, self.pending = base, b""
