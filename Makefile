@@ -1,6 +1,6 @@
 # The two README commands. Both create .venv and install requirements.txt first (once; again when it changes).
 #   make quickstart   the whole pipeline on the CPU: prepare python-docs, train 3 ZeRO-3 processes, evaluate
-#   make test         the test suite (real multi-process ZeRO-3 runs on the CPU, 2 workers; docs/testing.md)
+#   make test         the test suite (real multi-process ZeRO-3 runs on the CPU, 3 workers; docs/testing.md)
 #   make test-fast    the edit loop: no multi-process launch, no minute-long single run (about a minute)
 PYTHON ?= python3
 VENV   ?= .venv
@@ -22,7 +22,7 @@ quickstart: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash quickstart.sh
 
 test: setup
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests -n 2 --dist loadfile --durations=12
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests -n 3 --dist loadfile --durations=12
 
 test-fast: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" TEST_TIER=fast $(PY) -m pytest tests -m "not launch and not slow" -n 2 --durations=8
