@@ -32,6 +32,7 @@ Run as `python tests/script_server.py`: it reads one JSON request per line on st
 the run's pid and then its exit code."""
 
 import atexit
+import ctypes
 import faulthandler
 import functools
 import gc
@@ -58,9 +59,10 @@ RUNTIME_ENV = {"PYTHONUNBUFFERED", "TOKENIZERS_PARALLELISM", "PYTEST_CURRENT_TES
                "TOKENIZER_TEST_FAULT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "WANDB_MODE", "WANDB_SILENT",
                "TRACKIO_DIR"}  # fmt: skip
 # What libraries that tests import in-process add to the worker's environment as they go (torch's inductor when it
-# compiles; lm-eval and scikit-learn at import): read when a compile runs (inductor's cache and C++ wrapper), or only
-# for what no run here does (a Hub download's speed, an OpenMP runtime loaded twice). A forked run still gets them in
-# its environment, as a subprocess would; the server is not replaced for them (~8 s of CPU each time).
+# compiles; lm-eval and scikit-learn at import): read when a compile runs (inductor's cache and C++ wrapper), or
+# bearing only on what no run here does (a Hub download's speed, read at huggingface_hub's import; Intel's OpenMP
+# runtime loaded twice). A forked run still gets them in its environment, as a subprocess would; the server is not
+# replaced for them (~8 s of CPU each time).
 DRIFT_ENV = {"TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "HF_XET_HIGH_PERFORMANCE",
              "KMP_DUPLICATE_LIB_OK"}  # fmt: skip
 SCRIPTS = ("train.py", "eval.py", "prepare_data.py")
@@ -217,32 +219,50 @@ def become_worker(script: str, args: list[str], env: dict) -> None:
 
 
 def run_and_exit(script: str) -> None:
-    """Run `script` as __main__ and end the process as the interpreter's exit does: an uncaught exception through
-    sys.excepthook, non-daemon threads joined, the atexit handlers, the run's own unreachable objects finalised, the
-    exit code (an uncaught KeyboardInterrupt: death by SIGINT). Never returns. What it skips is the teardown of the
-    modules the server imported (the same in every run; ~2 s of CPU a run, each freed object's page copied first)."""
+    """Run `script` as __main__ and end the process in the order CPython 3.11's exit does: an uncaught exception
+    through sys.excepthook, non-daemon threads joined, the atexit handlers (an error in a step reported, the next
+    steps still run), Python's signal handlers back to the defaults, the run's own unreachable objects finalised (the
+    server's are frozen), stdout and stderr flushed (exit code 120 when that fails) and the C library's buffers too,
+    then the exit code (an uncaught KeyboardInterrupt: death by SIGINT). Never returns. What it skips is the teardown
+    of the modules the server imported (~2 s of CPU a run, each freed object's page copied first) and, with it, the
+    C library's atexit handlers and C++ static destructors (train.py's launched workers skip them too:
+    cli.exit_process)."""
     code = 1
     try:
-        try:
-            runpy.run_path(os.path.abspath(script), run_name="__main__")
-            code = 0
-        except SystemExit as e:
-            code = exit_code(e.code)
-        except BaseException as e:  # as the interpreter reports it: through sys.excepthook (W&B's records the crash)
-            sys.excepthook(type(e), e, e.__traceback__)
-            code = -signal.SIGINT if isinstance(e, KeyboardInterrupt) else 1
-        threading._shutdown()
-        atexit._run_exitfuncs()
-        gc.collect()  # the run's objects only (the server's are frozen): what a file left open still held is written
-        sys.stdout.flush()
-        sys.stderr.flush()
+        runpy.run_path(os.path.abspath(script), run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = exit_code(e.code)
+    except BaseException as e:  # as the interpreter reports it: through sys.excepthook (W&B's records the crash)
+        code = -signal.SIGINT if isinstance(e, KeyboardInterrupt) else 1
+        reported(sys.excepthook, type(e), e, e.__traceback__)
+    reported(threading._shutdown)
+    reported(atexit._run_exitfuncs)
+    for sig in signal.valid_signals():  # a late signal now ends the process, as it would a finalising interpreter
+        if callable(signal.getsignal(sig)):
+            signal.signal(sig, signal.SIG_DFL)
+    if gc.isenabled():
+        gc.collect()  # what a file the run left open still held is written
+    for stream in (sys.stdout, sys.stderr):
+        if not reported(stream.flush):
+            code = 120
+    ctypes.CDLL(None).fflush(None)  # what C code (a library's printf) buffered
+    if code < 0:  # Python's own death by an uncaught KeyboardInterrupt: by the signal
+        os.kill(os.getpid(), -code)
+    os._exit(code)
+
+
+def reported(step, *args) -> bool:
+    """Call step(*args); an exception it raises is printed, as the interpreter's exit prints one and goes on."""
+    try:
+        step(*args)
+        return True
     except BaseException:
-        traceback.print_exc()
-    finally:
-        if code < 0:  # Python's own death by an uncaught KeyboardInterrupt: by the signal
-            signal.signal(-code, signal.SIG_DFL)
-            os.kill(os.getpid(), -code)
-        os._exit(code)
+        try:
+            traceback.print_exc()
+        except BaseException:
+            pass
+        return False
 
 
 LAUNCHER_STREAMS: list = []
