@@ -22,7 +22,7 @@ quickstart: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash quickstart.sh
 
 test: setup
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests -n 3 --dist loadfile --durations=12
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests -n 3 --dist loadfile --no-loadscope-reorder --durations=12
 
 test-fast: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" TEST_TIER=fast $(PY) -m pytest tests -m "not launch and not slow" -n 2 --durations=8

@@ -35,12 +35,14 @@ WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // WORKERS))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-# The files with the longest runs first: `make test`'s workers (pytest-xdist, --dist loadfile) take whole files in
-# collection order, so a long file handed out last would run alone while the other worker idles.
-LONG_FIRST = ["test_train.py", "test_run_dir.py", "test_gpu_check.py", "test_moe.py", "test_muon.py", "test_eval.py",
-              "test_resilience.py", "test_reshard.py", "test_recipe.py", "test_precision.py", "test_harness.py",
-              "test_eval_tasks.py", "test_multinode.py", "test_tiers.py", "test_loss.py", "test_mixture.py",
-              "test_zero3_validation.py"]  # fmt: skip
+# The files with the longest runs first (by a full run's --durations, 3 workers): `make test`'s workers (pytest-xdist,
+# --dist loadfile --no-loadscope-reorder, which keeps this order instead of xdist's own by number of tests) take whole
+# files in collection order, so a long file handed out last would run alone while the other workers idle.
+LONG_FIRST = ["test_gpu_check.py", "test_resilience.py", "test_eval.py", "test_data.py", "test_prepare_robustness.py",
+              "test_precision.py", "test_train.py", "test_tiers.py", "test_multinode.py", "test_run_dir.py",
+              "test_eval_tasks.py", "test_moe.py", "test_harness.py", "test_muon.py", "test_run_lock.py",
+              "test_attention.py", "test_train_units.py", "test_reshard.py", "test_mixture.py", "test_recipe.py",
+              "test_loss.py", "test_zero3_validation.py"]  # fmt: skip
 
 
 # The test tiers (docs/testing.md). `make test-fast` runs every test not marked `launch`: pure functions, in-process

@@ -240,7 +240,10 @@ def test_a_full_disk_on_one_rank_is_told_as_the_others_would(docs_data, tmp_path
     launcher ends it, says so in a line of its own that points at rank 1's (seen in CI's suite: two lines)."""
     out = tmp_path / "out"
     args = [*RUN, "--data_dir", docs_data, "--output_dir", out]
-    proc = launch(2, *args, check=False, env={"TRAIN_TEST_FAULT": "enospc_in_save:1:4"})
+    # Rank 0, in a collective with the failed rank when the launcher's SIGTERM comes, can only be killed: after 5 s, not
+    # the launcher's default 30 (seen: 40 s of the test's 48, under load 70).
+    env = {"TRAIN_TEST_FAULT": "enospc_in_save:1:4", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"}
+    proc = launch(2, *args, check=False, env=env)
     intact = f"{out}/checkpoints/step_2, is intact"
     rank0 = [e for e in errors(proc) if e.startswith("error: (rank 0) another process failed while checkpoint")]
     for line in rank0:
