@@ -247,7 +247,8 @@ def run_and_exit(script: str) -> None:
         if not reported(stream.flush):
             code = 120
     ctypes.CDLL(None).fflush(None)  # what C code (a library's printf) buffered
-    if code < 0:  # Python's own death by an uncaught KeyboardInterrupt: by the signal
+    if code < 0:  # Python's own death by an uncaught KeyboardInterrupt: by the signal, whatever the run set for it
+        signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     os._exit(code)
 
