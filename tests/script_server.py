@@ -177,9 +177,7 @@ def become_worker(script: str, args: list[str], env: dict) -> None:
     """The rest of a worker's life, in the child subprocess.Popen forked (preexec_fn): never returns."""
     try:
         # Python's dispositions at start: a handler the launcher set (torch elastic's SIGTERM) is not the worker's.
-        for sig in signal.valid_signals():
-            if callable(signal.getsignal(sig)) and signal.getsignal(sig) is not signal.default_int_handler:
-                signal.signal(sig, signal.SIG_DFL)
+        python_handlers_to_default()
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -238,9 +236,7 @@ def run_and_exit(script: str) -> None:
         reported(sys.excepthook, type(e), e, e.__traceback__)
     reported(threading._shutdown)
     reported(atexit._run_exitfuncs)
-    for sig in signal.valid_signals():  # a late signal now ends the process, as it would a finalising interpreter
-        if callable(signal.getsignal(sig)):
-            signal.signal(sig, signal.SIG_DFL)
+    python_handlers_to_default()  # a late signal now ends the process, as it would a finalising interpreter
     if gc.isenabled():
         gc.collect()  # what a file the run left open still held is written
     for stream in (sys.stdout, sys.stderr):
@@ -251,6 +247,13 @@ def run_and_exit(script: str) -> None:
         signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     os._exit(code)
+
+
+def python_handlers_to_default() -> None:
+    """Every signal handled by a Python function back to the operating system's default."""
+    for sig in signal.valid_signals():
+        if callable(signal.getsignal(sig)):
+            signal.signal(sig, signal.SIG_DFL)
 
 
 def reported(step, *args) -> bool:
