@@ -107,7 +107,7 @@ def preload(repo: str) -> None:
         pass
     sys.path.remove(repo)
     IMPORTED_FILTERS[:] = warnings.filters
-    given = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    given = pythonpath(os.environ)
     SERVER_PATH[:] = [p for p in sys.path[1:] if p not in given]
     assert threading.active_count() == 1, "a module started a thread at import: forking would copy its locks"
     assert not {"wandb", "trackio"} & set(sys.modules), "RUNTIME_ENV holds their variables: they read them at import"
@@ -208,7 +208,7 @@ def become_worker(script: str, args: list[str], env: dict) -> None:
         sys.argv = [script, *args]
         # sys.path as Python builds it: the script's directory, then PYTHONPATH's entries (Accelerate's DeepSpeed
         # launch gives its workers the working directory there), then the interpreter's own.
-        given = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        given = pythonpath(env)
         sys.path[:] = [os.path.dirname(os.path.abspath(script)), *given, *(p for p in SERVER_PATH if p not in given)]
     except BaseException:
         traceback.print_exc()
@@ -247,6 +247,11 @@ def run_and_exit(script: str) -> None:
         signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     os._exit(code)
+
+
+def pythonpath(env) -> list[str]:
+    """The directories PYTHONPATH puts on sys.path in the environment `env`, absolute, in order."""
+    return [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
 
 
 def python_handlers_to_default() -> None:
