@@ -5,16 +5,16 @@ runs of train.py, eval.py and prepare_data.py; every other command, and any run 
 module may read at import (HF_HUB_OFFLINE, OMP_NUM_THREADS, ...), starts as a plain subprocess.
 TEST_FORK_SCRIPTS=0 starts every run as a plain subprocess (docs/testing.md).
 
-What the forked run shares with `python script.py`: its own process and pid, the script executed as __main__ from its
-file (runpy), sys.argv, the working directory, the environment, stdin from /dev/null, stdout and stderr to files, the
-exit code (sys.exit, an uncaught exception's 1 with its traceback, a signal's negative code), atexit handlers, and
-multiprocessing's spawn (which starts fresh interpreters from the script's path). What differs: the modules were
-imported before the run's own environment was set (hence the rule above); what a library prints or warns once at
-import went to the server's stderr, not the run's (a test of that output runs the script with subprocess.run itself);
-the process's resident memory holds the server's modules too; Python's start-up is not repeated, nor its teardown:
-after the atexit handlers and a collection of the run's own garbage the process ends (os._exit), without freeing the
-server's modules one object at a time (~2 s of CPU a run, every freed object's page copied first; an object that only
-that teardown would finalise, held by a library's module, is not).
+What the forked run shares with `python script.py`: its own process and pid, the script executed from its file in a
+__main__ module of its own, sys.argv, the working directory, the environment, stdin from /dev/null, stdout and stderr
+to files, the exit code (sys.exit, an uncaught exception's 1 with its traceback, a signal's negative code), atexit
+handlers, and multiprocessing's spawn (which starts fresh interpreters from the script's path). What differs: the
+modules were imported before the run's own environment was set (hence the rule above); what a library prints or warns
+once at import went to the server's stderr, not the run's (a test of that output runs the script with subprocess.run
+itself); the process's resident memory holds the server's modules too; Python's start-up is not repeated, nor its
+teardown: after the atexit handlers and a collection of the run's own garbage the process ends (os._exit), without
+freeing the server's modules one object at a time (~2 s of CPU a run, every freed object's page copied first; an
+object that only that teardown would finalise, held by a library's module, is not).
 
 Launches too: `accelerate launch ...` and `torchrun ...` (the console scripts of this interpreter's environment) run
 forked the same way, and the launcher's workers that run a Python script start as forks of the launcher
@@ -32,14 +32,15 @@ Run as `python tests/script_server.py`: it reads one JSON request per line on st
 the run's pid and then its exit code."""
 
 import atexit
+import builtins
 import ctypes
 import faulthandler
 import functools
 import gc
+import importlib.machinery
 import io
 import json
 import os
-import runpy
 import select
 import shutil
 import signal
@@ -48,6 +49,7 @@ import sys
 import tempfile
 import threading
 import traceback
+import types
 import warnings
 from pathlib import Path
 
@@ -226,8 +228,9 @@ def run_and_exit(script: str) -> None:
     C library's atexit handlers and C++ static destructors (train.py's launched workers skip them too:
     cli.exit_process)."""
     code = 1
+    main = types.ModuleType("__main__")
     try:
-        runpy.run_path(os.path.abspath(script), run_name="__main__")
+        run_as_main(script, main)
         code = 0
     except SystemExit as e:
         code = exit_code(e.code)
@@ -237,8 +240,9 @@ def run_and_exit(script: str) -> None:
     reported(threading._shutdown)
     reported(atexit._run_exitfuncs)
     python_handlers_to_default()  # a late signal now ends the process, as it would a finalising interpreter
+    reported(clear_module, main)  # the teardown's first step for __main__: what a file left open still held is written
     if gc.isenabled():
-        gc.collect()  # what a file the run left open still held is written
+        gc.collect()
     for stream in (sys.stdout, sys.stderr):
         if not reported(stream.flush):
             code = 120
@@ -247,6 +251,29 @@ def run_and_exit(script: str) -> None:
         signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     os._exit(code)
+
+
+def run_as_main(script: str, main: types.ModuleType) -> None:
+    """The script's code in `main`, installed as sys.modules["__main__"], as `python script.py` runs it (runpy would
+    put the server's __main__ back afterwards, leaving the script's module to the garbage collector)."""
+    path = os.path.abspath(script)
+    main.__dict__.update(__file__=path, __cached__=None, __builtins__=builtins, __spec__=None,
+                         __loader__=importlib.machinery.SourceFileLoader("__main__", path))  # fmt: skip
+    sys.modules["__main__"] = main
+    with open(path, "rb") as f:
+        source = f.read()
+    exec(compile(source, path, "exec", dont_inherit=True), main.__dict__)
+
+
+def clear_module(module: types.ModuleType) -> None:
+    """A module's names set to None as the interpreter's teardown does (those with one leading underscore first), so
+    each object only they held is finalised now, in order, and not left in a cycle the garbage collector would break
+    in any order (a file left open then loses what it still buffered)."""
+    names = module.__dict__
+    for first in (True, False):
+        for name in list(names):
+            if name != "__builtins__" and (not first or (name.startswith("_") and not name.startswith("__"))):
+                names[name] = None
 
 
 def pythonpath(env) -> list[str]:
